@@ -1,0 +1,120 @@
+"""The attention contract shared by every backend.
+
+A backend is an ``nn.Module`` subclass of :class:`Attention` that mixes values only:
+
+    out = attn(q, k, v, mask=None)
+    # q, k, v: [B, H, N, D]   (the layout of torch's scaled_dot_product_attention)
+    # mask:    [B, N] bool, True = real token, False = padding; None = no padding
+    # out:     [B, H, N, D]; rows at padded positions are finite (zeros are fine)
+
+Each backend declares its hyperparameters as a dataclass (``Config``), its capability flags, the
+number of keys one query attends to (``budget``), its cost in N, and where it sits in the MiTA
+paper's five-dimensional taxonomy. The registry (``registry.py``) builds backends from names.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+from torch import nn
+
+
+class AttentionError(ValueError):
+    """A user-facing configuration error: what was wrong and what is valid, in one line."""
+
+
+SCALING_STRATEGIES = ("routing", "compression", "both", "none")
+
+
+@dataclass(frozen=True)
+class AttnDims:
+    """The sizes every backend is built with."""
+
+    num_heads: int
+    head_dim: int
+    # the longest sequence the backend will see (Linformer sizes its projections with it)
+    max_len: int
+
+
+@dataclass(frozen=True)
+class Taxonomy:
+    """Where a backend sits in the MiTA paper's taxonomy (Wen et al. 2026, Sec. 3).
+
+    Attention read as a fast-weight MLP: keys are the first layer's weights, values the second's;
+    an efficient method changes which "experts" (groups of hidden units) a query reaches.
+    """
+
+    # how the method scales to long N: "routing" (sparse choice), "compression", "both", "none"
+    scaling: str
+    # how many experts there are, e.g. "1", "N/B", "m routed + 1 shared"
+    expert_count: str
+    # what an expert is made of, e.g. "raw KV", "compressed KV", "kernel state"
+    expert_type: str
+    # how experts are formed, e.g. "fixed blocks", "top-k by landmark", "learned projection"
+    construction: str
+    # how queries reach experts, e.g. "dense", "per-query top-k", "per-query argmax"
+    routing: str
+
+    def __post_init__(self) -> None:
+        if self.scaling not in SCALING_STRATEGIES:
+            raise AttentionError(
+                f"taxonomy scaling {self.scaling!r} is not one of {', '.join(SCALING_STRATEGIES)}"
+            )
+
+
+@dataclass
+class NoConfig:
+    """The hyperparameters of a backend that has none."""
+
+
+class Attention(nn.Module):
+    """Base class of every backend. Subclasses set the class attributes and implement forward."""
+
+    # filled in by @register
+    name: ClassVar[str] = ""
+    # "Author et al. YEAR, Title" of the method's paper
+    paper: ClassVar[str] = ""
+    # the dataclass of the backend's own hyperparameters (the ``**overrides`` of build_attention)
+    Config: ClassVar[type] = NoConfig
+    # capability: the backend honours a [B, N] padding mask exactly
+    supports_mask: ClassVar[bool] = True
+    # cost of one forward in the sequence length, for the README table, e.g. "O(N^2 D)"
+    cost: ClassVar[str] = ""
+    taxonomy: ClassVar[Taxonomy]
+
+    def __init__(self, dims: AttnDims, cfg: object) -> None:
+        super().__init__()
+        self.dims = dims
+        self.cfg = cfg
+
+    def budget(self) -> str:
+        """How many keys one query attends to at these settings, as a short formula with a value."""
+        return "N"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"dims={self.dims}, cfg={self.cfg}"
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
+    """Raise a clear error when q, k, v or mask break the contract's shapes."""
+    if q.dim() != 4 or q.shape != k.shape or k.shape != v.shape:
+        raise AttentionError(
+            f"q, k, v must all be [B, H, N, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if mask is not None:
+        b, _, n, _ = q.shape
+        if mask.dtype != torch.bool or tuple(mask.shape) != (b, n):
+            raise AttentionError(
+                f"mask must be a bool tensor [B, N] = [{b}, {n}] with True = real token; "
+                f"got {mask.dtype} {tuple(mask.shape)}"
+            )

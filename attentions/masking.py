@@ -1,0 +1,68 @@
+"""Helpers that lay pooling bins and blocks over each sequence's own real tokens.
+
+Padding must never change what a sequence computes, so a backend that pools (MiTA's landmarks,
+Agent's agents) pools over the ``n`` real tokens of each sequence, not over the padded length.
+Masks are right-padded: the real tokens of a row come first.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .base import AttentionError
+
+
+def real_lengths(mask: Optional[torch.Tensor], batch: int, n: int, device: torch.device) -> torch.Tensor:
+    """Real length of each sequence [B] (long); ``n`` for every row when there is no mask."""
+    if mask is None:
+        return torch.full((batch,), n, dtype=torch.long, device=device)
+    lengths = mask.sum(dim=-1)  # [B]
+    positions = torch.arange(n, device=mask.device)
+    if not torch.equal(mask, positions[None, :] < lengths[:, None]):
+        raise AttentionError("padding masks must be right-padded (real tokens first, then padding)")
+    if bool((lengths == 0).any()):
+        raise AttentionError("every sequence needs at least one real token; got a row of padding only")
+    return lengths
+
+
+def adaptive_pool(x: torch.Tensor, bins: int) -> torch.Tensor:
+    """Adaptive average pool along the sequence with torch's bin rule.
+
+    x: [B, H, n, D] -> [B, H, bins, D]; bin j covers floor(j*n/bins) .. ceil((j+1)*n/bins) - 1.
+    """
+    b, h, n, d = x.shape
+    flat = x.reshape(b * h, n, d).transpose(1, 2)  # [B*H, D, n]
+    pooled = F.adaptive_avg_pool1d(flat, bins)  # [B*H, D, bins]
+    return pooled.transpose(1, 2).reshape(b, h, bins, d)
+
+
+def pool_real(x: torch.Tensor, mask: Optional[torch.Tensor], bins: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pool ``x`` into ``bins`` bins laid over each sequence's real tokens.
+
+    x: [B, H, N, D], mask: [B, N] or None.
+    Returns pooled [B, H, bins, D] and bin_mask [B, bins] (True = a real bin). A sequence with
+    fewer real tokens than ``bins`` gets ``n`` bins (one per token); its other bins are zeros and
+    masked out.
+    """
+    b, h, n, d = x.shape
+    if mask is None:
+        m = min(bins, n)
+        pooled = adaptive_pool(x, m)
+        if m < bins:
+            pooled = F.pad(pooled, (0, 0, 0, bins - m))
+        bin_mask = torch.zeros(b, bins, dtype=torch.bool, device=x.device)
+        bin_mask[:, :m] = True
+        return pooled, bin_mask
+    lengths = real_lengths(mask, b, n, x.device)
+    pooled = x.new_zeros(b, h, bins, d)  # [B, H, bins, D]
+    bin_mask = torch.zeros(b, bins, dtype=torch.bool, device=x.device)
+    # one pooling call per distinct real length (a batch holds few)
+    for length in torch.unique(lengths).tolist():
+        rows = (lengths == length).nonzero(as_tuple=True)[0]
+        m = min(bins, length)
+        part = adaptive_pool(x[rows, :, :length], m)  # [b', H, m, D]
+        pooled = pooled.index_copy(0, rows, F.pad(part, (0, 0, 0, bins - m)))
+        bin_mask[rows, :m] = True
+    return pooled, bin_mask

@@ -1,0 +1,148 @@
+"""Register attention backends by name and build them from a name plus overrides.
+
+    @register("mine")
+    class MyAttention(Attention): ...
+
+    attn = build_attention("mine", num_heads=2, head_dim=32, max_len=2000, some_param=3)
+
+Backends come from this package, from a user's file (``load_attention_module``) or from installed
+packages that expose them through the entry-point group ``lra.attentions``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Type
+
+from .base import Attention, AttentionError, AttnDims
+
+_REGISTRY: Dict[str, Type[Attention]] = {}
+_BUILTINS = ("full", "linear", "linformer", "moba", "topk", "agent", "mita")
+_ENTRY_POINT_GROUP = "lra.attentions"
+_plugins_loaded = False
+
+
+def register(name: str) -> Callable[[Type[Attention]], Type[Attention]]:
+    """Class decorator: make ``cls`` buildable as ``name``. A name can be registered once."""
+
+    def decorate(cls: Type[Attention]) -> Type[Attention]:
+        if not (isinstance(cls, type) and issubclass(cls, Attention)):
+            raise AttentionError(f"@register({name!r}) must decorate a subclass of attentions.Attention")
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise AttentionError(f"an attention named {name!r} is already registered ({_REGISTRY[name].__module__})")
+        if not dataclasses.is_dataclass(cls.Config):
+            raise AttentionError(f"{cls.__name__}.Config must be a dataclass of the backend's hyperparameters")
+        if not hasattr(cls, "taxonomy"):
+            raise AttentionError(f"{cls.__name__} must declare its taxonomy (attentions.Taxonomy)")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorate
+
+
+def _load_builtins() -> None:
+    for module in _BUILTINS:
+        try:
+            importlib.import_module(f"attentions.{module}")
+        except ModuleNotFoundError as err:
+            # a backend file not written yet; any other missing module is a real error
+            if err.name != f"attentions.{module}":
+                raise
+
+
+def _load_entry_points() -> None:
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    from importlib.metadata import entry_points
+
+    try:
+        eps = entry_points(group=_ENTRY_POINT_GROUP)
+    except TypeError:  # Python < 3.10
+        eps = entry_points().get(_ENTRY_POINT_GROUP, [])
+    for ep in eps:
+        ep.load()
+
+
+def load_attention_module(path: str) -> List[str]:
+    """Import a user's Python file so that its ``@register`` decorators run; return the new names."""
+    file = Path(path)
+    if not file.is_file() or file.suffix != ".py":
+        raise AttentionError(f"--attn-module {path!r} is not a Python file; give the path of a .py file")
+    before = set(_REGISTRY)
+    module_name = f"lra_user_attention_{file.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except AttentionError:
+        raise
+    except Exception as err:  # the user's file failed to import: say which file and why
+        del sys.modules[module_name]
+        raise AttentionError(f"could not import {path}: {type(err).__name__}: {err}") from err
+    return sorted(set(_REGISTRY) - before)
+
+
+def list_attentions() -> List[str]:
+    """Every registered backend name, built-ins first."""
+    _load_builtins()
+    _load_entry_points()
+    builtins = [n for n in _BUILTINS if n in _REGISTRY]
+    return builtins + sorted(n for n in _REGISTRY if n not in _BUILTINS)
+
+
+def get_attention(name: str) -> Type[Attention]:
+    """The class registered as ``name``; an unknown name lists the known ones."""
+    known = list_attentions()
+    if name not in _REGISTRY:
+        raise AttentionError(f"unknown attention {name!r}; known: {', '.join(known)}")
+    return _REGISTRY[name]
+
+
+def config_fields(name: str) -> Dict[str, Any]:
+    """The backend's hyperparameters and their types, e.g. {"topk": int}."""
+    cls = get_attention(name)
+    hints = typing.get_type_hints(cls.Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls.Config)}
+
+
+def coerce(key: str, value: Any, kind: Any) -> Any:
+    """Check ``value`` against the annotated type; ints are accepted where floats are expected."""
+    origin = typing.get_origin(kind)
+    if origin is typing.Union:
+        options = typing.get_args(kind)
+        if value is None and type(None) in options:
+            return None
+        kind = next(o for o in options if o is not type(None))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind in (int, float, str, bool) and (type(value) is not kind):
+        raise AttentionError(f"{key} must be {kind.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def build_config(name: str, overrides: Dict[str, Any]) -> Any:
+    """The backend's Config with ``overrides`` applied; unknown keys and wrong types are errors."""
+    cls = get_attention(name)
+    fields = config_fields(name)
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        valid = ", ".join(fields) if fields else "(none)"
+        raise AttentionError(f"unknown option {unknown[0]!r} for attention {name!r}; valid: {valid}")
+    values = {k: coerce(f"attn.{k}", v, fields[k]) for k, v in overrides.items()}
+    return cls.Config(**values)
+
+
+def build_attention(name: str, *, num_heads: int, head_dim: int, max_len: int, **overrides: Any) -> Attention:
+    """Build backend ``name`` for heads of ``head_dim`` and sequences up to ``max_len`` tokens."""
+    cls = get_attention(name)
+    cfg = build_config(name, overrides)
+    return cls(AttnDims(num_heads=num_heads, head_dim=head_dim, max_len=max_len), cfg)

@@ -1,0 +1,125 @@
+"""The LRA encoder: token + position embeddings, pre-LayerNorm blocks, pooling, a classifier head.
+
+The attention in each block is built from the ``attentions`` registry; the Q/K/V and output
+projections live here, once, so every backend gets the same parameters around it. Retrieval uses
+the dual head: both documents are encoded by the same encoder and combined as [u, v, u*v, u-v].
+The padding mask comes from each row's length, never from token ids (pixel 0 is real data).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+from torch import nn
+
+from attentions import build_attention
+
+from .config import ModelConfig
+
+
+class Block(nn.Module):
+    """x + Attn(LN(x)), then x + FFN(LN(x))."""
+
+    def __init__(self, cfg: ModelConfig, attn: str, attn_options: Dict[str, Any], max_len: int) -> None:
+        super().__init__()
+        self.heads = cfg.num_heads
+        self.norm1 = nn.LayerNorm(cfg.dim)
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.attn = build_attention(
+            attn, num_heads=cfg.num_heads, head_dim=cfg.dim // cfg.num_heads, max_len=max_len, **attn_options
+        )
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.norm2 = nn.LayerNorm(cfg.dim)
+        self.ffn = nn.Sequential(
+            nn.Linear(cfg.dim, cfg.ffn_dim),
+            nn.GELU(),
+            nn.Dropout(cfg.dropout),
+            nn.Linear(cfg.ffn_dim, cfg.dim),
+            nn.Dropout(cfg.dropout),
+        )
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        b, n, c = x.shape
+        # [B, N, 3, H, D] -> 3 x [B, H, N, D]
+        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        mixed = self.attn(q, k, v, mask=mask)  # [B, H, N, D]
+        x = x + self.drop(self.proj(mixed.transpose(1, 2).reshape(b, n, c)))
+        return x + self.ffn(self.norm2(x))
+
+
+class Encoder(nn.Module):
+    """Tokens [B, L] and lengths [B] -> pooled features [B, C]."""
+
+    def __init__(
+        self, cfg: ModelConfig, attn: str, attn_options: Dict[str, Any], vocab_size: int, max_len: int, padded: bool
+    ) -> None:
+        super().__init__()
+        self.pooling = cfg.pooling
+        self.padded = padded
+        seq_len = max_len + (1 if cfg.pooling == "cls" else 0)
+        self.tokens = nn.Embedding(vocab_size, cfg.dim)
+        self.positions = nn.Embedding(seq_len, cfg.dim)
+        nn.init.normal_(self.tokens.weight, std=0.02)
+        nn.init.normal_(self.positions.weight, std=0.02)
+        self.cls = nn.Parameter(torch.zeros(1, 1, cfg.dim)) if cfg.pooling == "cls" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg, attn, attn_options, seq_len) for _ in range(cfg.num_layers))
+        self.norm = nn.LayerNorm(cfg.dim)
+
+    def forward(self, tokens: torch.Tensor, lengths: Optional[torch.Tensor]) -> torch.Tensor:
+        x = self.tokens(tokens.long())  # [B, L, C]
+        if self.cls is not None:
+            x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)  # [B, 1+L, C]
+            lengths = None if lengths is None else lengths + 1
+        b, n, _ = x.shape
+        x = self.drop(x + self.positions.weight[:n])
+        mask = None
+        if self.padded and lengths is not None:
+            mask = torch.arange(n, device=x.device)[None, :] < lengths[:, None]  # [B, N]
+            # a batch of full rows needs no mask: the backends take their unmasked fast paths
+            if bool(mask.all()):
+                mask = None
+        for block in self.blocks:
+            x = block(x, mask)
+        x = self.norm(x)
+        if self.cls is not None:
+            return x[:, 0]
+        if mask is None:
+            return x.mean(dim=1)
+        weights = mask.to(x.dtype)[..., None]  # [B, N, 1]
+        return (x * weights).sum(dim=1) / weights.sum(dim=1)
+
+
+class LRAModel(nn.Module):
+    """Single-sequence classifier, or the dual (Retrieval) classifier when ``dual``.
+
+    Single: tokens [B, L], lengths [B] -> logits [B, classes].
+    Dual:   tokens [B, 2, L], lengths [B, 2] -> logits [B, classes].
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        attn: str,
+        attn_options: Dict[str, Any],
+        vocab_size: int,
+        num_classes: int,
+        max_len: int,
+        dual: bool = False,
+        padded: bool = True,
+    ) -> None:
+        super().__init__()
+        self.dual = dual
+        self.encoder = Encoder(cfg, attn, attn_options, vocab_size, max_len, padded)
+        features = 4 * cfg.dim if dual else cfg.dim
+        self.head = nn.Sequential(nn.Linear(features, cfg.ffn_dim), nn.ReLU(), nn.Linear(cfg.ffn_dim, num_classes))
+
+    def forward(self, tokens: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if not self.dual:
+            return self.head(self.encoder(tokens, lengths))
+        b = tokens.shape[0]
+        # encode both documents in one pass: [2B, L]
+        both = self.encoder(tokens.flatten(0, 1), None if lengths is None else lengths.flatten())
+        u, v = both.view(b, 2, -1).unbind(dim=1)  # [B, C] each
+        return self.head(torch.cat([u, v, u * v, u - v], dim=-1))

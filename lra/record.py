@@ -1,0 +1,101 @@
+"""The result record: one JSON file per run, the source of every table.
+
+Schema (version 1). Keys are stable; later versions only add keys.
+
+    schema          1
+    status          "completed" | "diverged" | "running" (a checkpointed run not yet finished)
+    run_name        folder name of the run under ``out``
+    task, attn, preset, seed
+    config          the resolved RunConfig (model / train / data / attn_options)
+    attn_budget     keys one query attends to, from the backend (e.g. "m + k = 128")
+    steps           optimizer steps taken
+    best_step       step of the best validation accuracy (the checkpoint tested)
+    val_acc         best validation accuracy (fraction, 0-1)
+    test_acc        test accuracy of the best-validation checkpoint (fraction)
+    majority_acc    accuracy of always predicting the test split's most common label (fraction)
+    final_train_loss  mean training loss over the last logging window
+    train_time_s    wall-clock seconds of training steps (evaluation excluded), summed over resumes
+    eval_time_s     wall-clock seconds spent evaluating
+    tokens_per_s    training tokens (padded length x batch) per second of train_time_s
+    peak_memory_mb  peak memory: CUDA max_memory_allocated, or the process's peak RSS on the CPU
+    memory_kind     "cuda_max_allocated" | "cpu_peak_rss"
+    params          trainable parameters
+    device, device_name, world_size, precision
+    torch, python, git_commit, hostname
+    started_at, finished_at  ISO-8601 UTC
+    message         why the run stopped, when it did not complete
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+
+SCHEMA_VERSION = 1
+RECORD_KEYS = (
+    "schema", "status", "run_name", "task", "attn", "preset", "seed", "config", "attn_budget", "steps",
+    "best_step", "val_acc", "test_acc", "majority_acc", "final_train_loss", "train_time_s", "eval_time_s",
+    "tokens_per_s", "peak_memory_mb", "memory_kind", "params", "device", "device_name", "world_size",
+    "precision", "torch", "python", "git_commit", "hostname", "started_at", "finished_at", "message",
+)
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def git_commit() -> str:
+    """The commit of the checkout the package runs from, with ``+dirty`` for local changes."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment(device: torch.device) -> Dict[str, Any]:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    return {
+        "device": str(device),
+        "device_name": f"{name} ({os.cpu_count()} CPUs visible)" if device.type == "cpu" else name,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "git_commit": git_commit(),
+        "hostname": socket.gethostname(),
+    }
+
+
+def write_json_atomic(path: Path, data: Dict[str, Any]) -> None:
+    """Write to a temporary file in the same folder, then rename: a kill never truncates ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def validate_record(record: Dict[str, Any]) -> None:
+    """Raise ValueError naming the first missing key (used by tests and by lra-table)."""
+    missing = [k for k in RECORD_KEYS if k not in record]
+    if missing:
+        raise ValueError(f"record is missing {', '.join(missing)}")

@@ -1,0 +1,132 @@
+"""ListOps (Nangia & Bowman 2018, as in LRA): the value 0-9 of a nested MIN/MAX/MED/SUM_MOD expression.
+
+Reads the official ``basic_{train,val,test}.tsv`` files, from our generator (``listops_gen.py``) or
+from the official ``lra_release/listops-1000/`` folder, and tokenizes as the fixed official
+pipeline does: parentheses dropped, ``]`` a token of its own, split on white space; padded to 2,000.
+Missing files of the official size are generated on first use (a few minutes on 2 cores).
+"""
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from ..errors import UserError
+from . import listops_gen
+from .base import (
+    SPLITS,
+    DataConfigLike,
+    DataStatus,
+    Split,
+    Task,
+    TaskSpec,
+    cache_key,
+    cached_splits,
+    pad_rows,
+    register_task,
+    search_dirs,
+)
+
+# id 0 is padding; FIRST and LAST are in the official generator's (unused) operator list
+VOCAB = ["<pad>", *map(str, range(10)), "[MIN", "[MAX", "[MED", "[SM", "[FIRST", "[LAST", "]"]
+TOKEN_ID = {tok: i for i, tok in enumerate(VOCAB)}
+FILES = {"train": "basic_train.tsv", "val": "basic_val.tsv", "test": "basic_test.tsv"}
+
+
+def tokenize(source: str) -> List[str]:
+    """The fixed official tokenizer: drop parentheses, make ``]`` its own token, split on spaces."""
+    return source.replace("(", " ").replace(")", " ").replace("]", " ] ").split()
+
+
+def encode(source: str, where: str) -> List[int]:
+    try:
+        return [TOKEN_ID[tok] for tok in tokenize(source)]
+    except KeyError as err:
+        raise UserError(f"{where}: unknown ListOps token {err.args[0]!r}; valid: {' '.join(VOCAB[1:])}")
+
+
+def read_split(path: Path, max_len: int) -> Split:
+    """One official TSV file -> token arrays. A malformed row names the file and line."""
+    rows: List[List[int]] = []
+    labels: List[int] = []
+    csv.field_size_limit(sys.maxsize)
+    with open(path, newline="") as f:
+        reader = csv.reader(f, delimiter="\t")
+        header = next(reader, None)
+        if header != ["Source", "Target"]:
+            raise UserError(f"{path}:1: expected the header 'Source<TAB>Target', got {header!r}")
+        for line, row in enumerate(reader, start=2):
+            if len(row) != 2 or not row[1].strip().isdigit():
+                raise UserError(f"{path}:{line}: expected '<source><TAB><label 0-9>', got {row!r:.80}")
+            rows.append(encode(row[0], f"{path}:{line}"))
+            labels.append(int(row[1]))
+    tokens, lengths = pad_rows(rows, max_len, dtype=np.uint8)
+    return Split(tokens, lengths, np.asarray(labels, dtype=np.int64))
+
+
+@register_task("listops")
+class ListOps(Task):
+    spec = TaskSpec(name="listops", num_classes=10, vocab_size=len(VOCAB), max_len=2000)
+    generated = True
+
+    def folder_name(self, data: DataConfigLike) -> str:
+        """Where our generator writes: ``listops`` for the official size and seed 0."""
+        if data.size == 0 and data.seed == 0:
+            return "listops"
+        return f"listops_n{data.size}_seed{data.seed}"
+
+    def find(self, data: DataConfigLike) -> Optional[Path]:
+        names = [self.folder_name(data)]
+        if data.size == 0:
+            # the official release and S4's renamed layout
+            names += ["listops-1000"]
+        for folder in search_dirs(data.data_dir, names):
+            if all((folder / f).is_file() for f in FILES.values()):
+                return folder
+        return None
+
+    def generate(self, data: DataConfigLike) -> Path:
+        folder = Path(data.data_dir) / self.folder_name(data)
+        return listops_gen.generate_files(folder, size=data.size, seed=data.seed, workers=max(data.workers, 1))
+
+    def load(self, data: DataConfigLike) -> Dict[str, Split]:
+        folder = self.find(data)
+        if folder is None and not data.generate:
+            raise UserError(
+                f"listops: no basic_train/val/test.tsv in {data.data_dir}/{self.folder_name(data)} or "
+                f"{data.data_dir}/lra_release/listops-1000; make them with `lra-data generate listops "
+                f"--data-dir {data.data_dir}`" + (f" --size {data.size}" if data.size else "")
+            )
+        if folder is None:
+            try:
+                folder = self.generate(data)
+            except OSError as err:
+                raise UserError(f"listops: cannot write generated data under {data.data_dir}: {err.strerror}")
+        max_len = self.max_len(data)
+        sources = [folder / FILES[s] for s in SPLITS]
+        key = cache_key(sources, {"max_len": max_len, "vocab": VOCAB})
+        return cached_splits(
+            data.data_dir, "listops", key, lambda: {s: read_split(folder / FILES[s], max_len) for s in SPLITS}
+        )
+
+    def status(self, data_dir: str) -> DataStatus:
+        from ..config import DataConfig
+
+        folder = self.find(DataConfig(data_dir=data_dir))
+        if folder is None:
+            return DataStatus(
+                task="listops",
+                present=False,
+                missing=f"basic_train.tsv, basic_val.tsv, basic_test.tsv in {data_dir}/listops/ "
+                f"(or lra_release/listops-1000/); make them with `lra-data generate listops --data-dir {data_dir}`",
+            )
+        sizes = {s: _count_rows(folder / FILES[s]) for s in SPLITS}
+        return DataStatus(task="listops", present=True, source=str(folder), split_sizes=sizes)
+
+
+def _count_rows(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for _ in f) - 1

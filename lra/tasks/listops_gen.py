@@ -1,0 +1,160 @@
+"""ListOps generator: a Python 3 port of the official LRA generator (lra_benchmarks/data/listops.py).
+
+A tree is a leaf value 0-9 or an operator (MIN, MAX, MED, SUM_MOD) over 2..max_args sub-trees:
+at depth < max_depth a node is an operator with probability 0.25 (else a leaf); at max_depth it is a
+leaf. Trees whose token count is strictly between min_length and max_length are kept, duplicates
+removed; the label is the value of the expression. Sources are written as the official
+``basic_{train,val,test}.tsv`` files (header ``Source<TAB>Target``, parenthesised bracket strings).
+
+Departures that do not change the distribution of kept trees: a tree is abandoned as soon as it
+reaches max_length tokens (it would be rejected anyway), and the work is cut into seeded chunks that
+``workers`` processes generate in parallel, deduplicated in chunk order (so the output depends on the
+seed, not on the number of workers).
+"""
+from __future__ import annotations
+
+import csv
+import os
+import random
+import tempfile
+from multiprocessing import Pool
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+from tqdm import tqdm
+
+MIN, MAX, MED, SUM_MOD, END = "[MIN", "[MAX", "[MED", "[SM", "]"
+OPERATORS = (MIN, MAX, MED, SUM_MOD)
+VALUE_P = 0.25
+CHUNK = 500
+
+
+class TooLong(Exception):
+    """Raised inside generation once a tree reaches max_length tokens (it would be rejected)."""
+
+
+def median(values: List[int]) -> int:
+    """``int(np.median(values))``: an even count truncates the mean of the middle two."""
+    s = sorted(values)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else int((s[mid - 1] + s[mid]) / 2)
+
+
+def apply(op: str, values: List[int]) -> int:
+    if op == MIN:
+        return min(values)
+    if op == MAX:
+        return max(values)
+    if op == MED:
+        return median(values)
+    return sum(values) % 10
+
+
+def generate_tree(rng: random.Random, depth: int, max_depth: int, max_args: int, count: List[int]) -> Tuple[str, int]:
+    """One tree as (official source string, value), drawing from ``rng`` in the official order.
+
+    ``count[0]`` accumulates the tree's token count (op and "]" count one each, as officially);
+    generation stops with TooLong once it reaches ``count[1]``. The string follows the official
+    to_string of the left-nested pairs: ``[MAX 2 9 ]`` is written ``( ( ( [MAX 2 ) 9 ) ] )``.
+    """
+    r = rng.random() if depth < max_depth else 1.0
+    if r > VALUE_P:
+        value = rng.choice(range(10))
+        count[0] += 1
+        if count[0] >= count[1]:
+            raise TooLong
+        return str(value), value
+    count[0] += 2
+    num_values = rng.randint(2, max_args)
+    children = [generate_tree(rng, depth + 1, max_depth, max_args, count) for _ in range(num_values)]
+    # the official generator picks the operator after its arguments
+    op = rng.choice(OPERATORS)
+    body = "".join(f" {text} )" for text, _ in children)
+    source = "( " * (num_values + 1) + op + body + " ] )"
+    return source, apply(op, [value for _, value in children])
+
+
+def generate_chunk(args: Tuple[int, int, int, int, int, int]) -> List[Tuple[str, int]]:
+    """``CHUNK`` kept trees from the stream seeded by (seed, index)."""
+    seed, index, max_depth, max_args, min_length, max_length = args
+    rng = random.Random(f"listops-{seed}-{index}")
+    kept: List[Tuple[str, int]] = []
+    while len(kept) < CHUNK:
+        count = [0, max_length]
+        try:
+            source, value = generate_tree(rng, 1, max_depth, max_args, count)
+        except TooLong:
+            continue
+        if count[0] > min_length:
+            kept.append((source, value))
+    return kept
+
+
+def generate(
+    num_samples: int,
+    seed: int = 0,
+    workers: int = 1,
+    max_depth: int = 10,
+    max_args: int = 10,
+    min_length: int = 500,
+    max_length: int = 2000,
+) -> List[Tuple[str, int]]:
+    """``num_samples`` distinct (source, label) pairs, in a fixed order for a given seed."""
+    data: Dict[str, int] = {}
+    index = 0
+    bar = tqdm(total=num_samples, desc="ListOps", unit="ex", disable=num_samples < 5000)
+    with Pool(workers) if workers > 1 else _Serial() as pool:
+        while len(data) < num_samples:
+            batch = max(workers * 4, 1)
+            jobs = [(seed, index + i, max_depth, max_args, min_length, max_length) for i in range(batch)]
+            index += batch
+            for chunk in pool.imap(generate_chunk, jobs):
+                for source, value in chunk:
+                    if len(data) < num_samples and source not in data:
+                        data[source] = value
+                        bar.update(1)
+    bar.close()
+    return list(data.items())
+
+
+class _Serial:
+    """The part of a multiprocessing Pool that ``generate`` uses, in this process."""
+
+    def __enter__(self) -> "_Serial":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def imap(self, fn, jobs):  # type: ignore[no-untyped-def]
+        return map(fn, jobs)
+
+
+def split_sizes(size: int) -> Tuple[int, int, int]:
+    """Train / val / test sizes: the official 96,000 / 2,000 / 2,000, or ``size`` train in that ratio."""
+    if size <= 0:
+        return 96_000, 2_000, 2_000
+    held_out = max(size // 48, 32)
+    return size, held_out, held_out
+
+
+def write_split(rows: List[Tuple[str, int]], path: Path) -> None:
+    """Write one official TSV file (header ``Source<TAB>Target``) atomically."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w", newline="") as f:
+        writer = csv.writer(f, delimiter="\t")
+        writer.writerow(["Source", "Target"])
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def generate_files(folder: Path, size: int = 0, seed: int = 0, workers: int = 1) -> Path:
+    """Generate and write ``basic_{train,val,test}.tsv`` into ``folder``; return the folder."""
+    n_train, n_val, n_test = split_sizes(size)
+    rows = generate(n_train + n_val + n_test, seed=seed, workers=workers)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_split(rows[n_train + n_val :], folder / "basic_test.tsv")
+    write_split(rows[n_train : n_train + n_val], folder / "basic_val.tsv")
+    # train last: its presence marks a complete set
+    write_split(rows[:n_train], folder / "basic_train.tsv")
+    return folder

@@ -1,0 +1,66 @@
+"""lra-run and lra-data from the command line: a smoke run writes a valid record; bad input is one line, exit 2."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lra.record import validate_record
+
+
+def run(args: list, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", "from lra.cli import run_main; run_main()", *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_smoke_run_writes_a_valid_record(tmp_path: Path) -> None:
+    proc = run(["--task", "listops", "--attn", "full", "--preset", "smoke", "--out", "runs", "--quiet",
+                "--set", "train.steps=4", "train.eval_every=2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    records = list((tmp_path / "runs").glob("*/record.json"))
+    assert len(records) == 1
+    record = json.loads(records[0].read_text())
+    validate_record(record)
+    assert record["status"] == "completed" and record["steps"] == 4
+    assert 0.0 <= record["test_acc"] <= 1.0 and 0.0 < record["majority_acc"] <= 1.0
+    assert record["config"]["train"]["steps"] == 4 and record["task"] == "listops"
+    assert record["train_time_s"] > 0 and record["peak_memory_mb"] > 0 and record["params"] > 0
+    metrics = [json.loads(line) for line in (records[0].parent / "metrics.jsonl").read_text().splitlines()]
+    assert any("val_acc" in m for m in metrics)
+
+
+BAD = {
+    "unknown-task": (["--task", "listopz", "--attn", "full"], "unknown task 'listopz'; known: listops"),
+    "unknown-attn": (["--task", "listops", "--attn", "fulll"], "unknown attention 'fulll'; known: full"),
+    "unknown-preset": (["--task", "listops", "--attn", "full", "--preset", "gpu9"], "unknown preset 'gpu9'"),
+    "unknown-key": (["--task", "listops", "--attn", "full", "--set", "train.stepz=3"], "unknown key train.stepz"),
+    "wrong-type": (["--task", "listops", "--attn", "full", "--set", "train.steps=many"], "train.steps must be int"),
+    "no-data": (["--task", "listops", "--attn", "full", "--data-dir", "empty"], "lra-data generate listops"),
+    "missing-dir": (["--task", "listops", "--attn", "full", "--data-dir", "nowhere"], "is not a folder"),
+    "missing-arg": (["--task", "listops"], "the following arguments are required: --attn"),
+}
+
+
+@pytest.mark.parametrize("args, message", BAD.values(), ids=BAD.keys())
+def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path: Path, args: list, message: str) -> None:
+    (tmp_path / "empty").mkdir()
+    proc = run([*args, "--out", "runs"], tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list(tmp_path.glob("runs/*/record.json"))
+
+
+def test_lra_data_generate_writes_official_files(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-c", "from lra.cli import data_main; data_main()",
+           "generate", "listops", "--size", "40", "--data-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    folder = tmp_path / "listops_n40_seed0"
+    lines = (folder / "basic_train.tsv").read_text().splitlines()
+    assert lines[0] == "Source\tTarget" and len(lines) == 41
+    assert all((folder / f"basic_{s}.tsv").exists() for s in ("val", "test"))

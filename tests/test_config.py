@@ -1,0 +1,96 @@
+"""Config precedence: defaults < task < attn (+ its per-task section) < preset < task's preset section < --set."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lra import config
+from lra.errors import UserError
+
+
+@pytest.fixture
+def configs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    for sub in ("tasks", "attn", "presets"):
+        (tmp_path / sub).mkdir()
+    (tmp_path / "tasks" / "listops.yaml").write_text(
+        "train: {lr: 0.5, steps: 11, batch_size: 7}\nmodel: {dim: 32}\n"
+        "presets:\n  fast: {train: {steps: 33}}\n"
+    )
+    (tmp_path / "attn" / "topk.yaml").write_text("topk: 16\ntasks:\n  listops: {topk: 24}\n  text: {topk: 99}\n")
+    (tmp_path / "presets" / "fast.yaml").write_text("train: {steps: 22, lr: 0.25}\n")
+    (tmp_path / "presets" / "paper.yaml").write_text("")
+    monkeypatch.setattr(config, "CONFIG_DIR", tmp_path)
+    return tmp_path
+
+
+def test_precedence_of_every_layer(configs: Path) -> None:
+    cfg = config.resolve("listops", "topk", "fast", ["train.batch_size=5"])
+    # defaults survive where nothing overrides them
+    assert cfg.model.num_layers == 2
+    # task file over defaults
+    assert cfg.model.dim == 32
+    # attn per-task section over the attn file
+    assert cfg.attn_options == {"topk": 24}
+    # generic preset over task file; the task's preset section over the generic preset
+    assert cfg.train.lr == 0.25 and cfg.train.steps == 33
+    # --set over everything
+    assert cfg.train.batch_size == 5
+
+
+def test_set_reaches_backend_options_with_types(configs: Path) -> None:
+    cfg = config.resolve("listops", "topk", "paper", ["attn.topk=8"])
+    assert cfg.attn_options["topk"] == 8
+    with pytest.raises(UserError, match=r"topk must be int"):
+        config.resolve("listops", "topk", "paper", ["attn.topk=eight"])
+    with pytest.raises(UserError, match=r"unknown option 'kk' for attention 'topk'; valid: .*topk"):
+        config.resolve("listops", "topk", "paper", ["attn.kk=8"])
+
+
+@pytest.mark.parametrize(
+    "sets, match",
+    [
+        (["train.lrr=1"], r"unknown key train\.lrr; valid: steps, batch_size, lr"),
+        (["trian.lr=1"], r"unknown section 'trian'"),
+        (["train.steps=ten"], r"train\.steps must be int, got 'ten'"),
+        (["train.lr=fast"], r"train\.lr must be float"),
+        (["model.pooling=max"], r"model\.pooling must be 'mean' or 'cls'"),
+        (["lr=3"], r"must look like section\.key=value"),
+    ],
+    ids=["unknown-key", "unknown-section", "int-type", "float-type", "choice", "no-section"],
+)
+def test_bad_overrides_name_the_key(configs: Path, sets: list, match: str) -> None:
+    with pytest.raises(UserError, match=match):
+        config.resolve("listops", "full", "paper", sets)
+
+
+def test_int_is_accepted_for_float(configs: Path) -> None:
+    assert config.resolve("listops", "full", "paper", ["train.lr=1"]).train.lr == 1.0
+
+
+def test_unknown_preset_lists_valid_ones(configs: Path) -> None:
+    with pytest.raises(UserError, match=r"unknown preset 'slow'; valid: fast, paper"):
+        config.resolve("listops", "full", "slow")
+
+
+def test_unknown_key_in_a_yaml_file_names_the_file(configs: Path) -> None:
+    (configs / "presets" / "bad.yaml").write_text("train: {stepz: 3}\n")
+    with pytest.raises(UserError, match=r"bad\.yaml: unknown key train\.stepz"):
+        config.resolve("listops", "full", "bad")
+
+
+def test_malformed_yaml_is_one_line_naming_the_file(configs: Path) -> None:
+    (configs / "presets" / "broken.yaml").write_text("train: {steps: 3\n")
+    with pytest.raises(UserError, match=r"broken\.yaml.*malformed YAML") as err:
+        config.resolve("listops", "full", "broken")
+    assert "\n" not in str(err.value)
+
+
+def test_shipped_configs_resolve_for_every_task_and_backend() -> None:
+    from attentions import list_attentions
+    from lra.tasks import list_tasks
+
+    for task in list_tasks():
+        for attn in list_attentions():
+            for preset in config.list_presets():
+                config.resolve(task, attn, preset)

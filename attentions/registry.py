@@ -24,6 +24,8 @@ _REGISTRY: Dict[str, Type[Attention]] = {}
 _BUILTINS = ("full", "linear", "linformer", "moba", "topk", "agent", "mita")
 _ENTRY_POINT_GROUP = "lra.attentions"
 _plugins_loaded = False
+# user files already imported (resolved path -> the names they registered): a file runs once per process
+_loaded_files: Dict[Path, List[str]] = {}
 
 
 def register(name: str) -> Callable[[Type[Attention]], Type[Attention]]:
@@ -71,10 +73,17 @@ def _load_entry_points() -> None:
 
 
 def load_attention_module(path: str) -> List[str]:
-    """Import a user's Python file so that its ``@register`` decorators run; return the new names."""
+    """Import a user's Python file so that its ``@register`` decorators run; return the names it registers.
+
+    A file already imported in this process is not run again (its classes stay registered).
+    """
     file = Path(path)
     if not file.is_file() or file.suffix != ".py":
         raise AttentionError(f"--attn-module {path!r} is not a Python file; give the path of a .py file")
+    if file.resolve() in _loaded_files:
+        return list(_loaded_files[file.resolve()])
+    # built-ins first, so that a file importing one of them does not count it among its own names
+    _load_builtins()
     before = set(_REGISTRY)
     module_name = f"lra_user_attention_{file.stem}"
     spec = importlib.util.spec_from_file_location(module_name, file)
@@ -88,7 +97,8 @@ def load_attention_module(path: str) -> List[str]:
     except Exception as err:  # the user's file failed to import: say which file and why
         del sys.modules[module_name]
         raise AttentionError(f"could not import {path}: {type(err).__name__}: {err}") from err
-    return sorted(set(_REGISTRY) - before)
+    _loaded_files[file.resolve()] = sorted(set(_REGISTRY) - before)
+    return list(_loaded_files[file.resolve()])
 
 
 def list_attentions() -> List[str]:

@@ -60,6 +60,7 @@ def save_checkpoint(path: Path, state: Dict[str, Any]) -> None:
     os.close(fd)
     try:
         torch.save(state, tmp)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

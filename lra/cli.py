@@ -144,3 +144,21 @@ def run_main() -> None:
 
 def data_main() -> None:
     sys.exit(guarded("lra-data", data))
+
+
+def bench_main() -> None:
+    from .bench import main
+
+    sys.exit(guarded("lra-bench", main))
+
+
+def table_main() -> None:
+    from .tables import main
+
+    sys.exit(guarded("lra-table", main))
+
+
+def check_attn_main() -> None:
+    from .check_attn import main
+
+    sys.exit(guarded("lra-check-attn", main))

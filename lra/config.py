@@ -123,6 +123,12 @@ def read_yaml(path: Path) -> Dict[str, Any]:
 def _coerce(key: str, value: Any, kind: Any) -> Any:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    # YAML 1.1 reads 3e-4 (no dot) as a string; accept it where a float is expected
+    if kind is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if type(value) is not kind:
         raise UserError(f"{key} must be {kind.__name__}, got {value!r} ({type(value).__name__})")
     return value
@@ -162,6 +168,12 @@ def parse_set(item: str) -> tuple:
         value = yaml.safe_load(raw)
     except yaml.YAMLError:
         value = raw
+    if isinstance(value, str):
+        # YAML 1.1 reads 3e-4 as a string: numbers written that way are numbers here
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     return section, key, value
 
 

@@ -87,6 +87,8 @@ def write_json_atomic(path: Path, data: Dict[str, Any]) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=2, sort_keys=False)
             f.write("\n")
+        # mkstemp makes the file private; a record is meant to be shared
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

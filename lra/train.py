@@ -213,9 +213,12 @@ def train(cfg: RunConfig, resume: bool = False, quiet: bool = False) -> Dict[str
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
                 logits = net(tokens, lengths)
             loss = F.cross_entropy(logits.float(), labels)
-            if distributed.any_flag(not bool(torch.isfinite(loss)), d, device):
+            # the global batch's mean loss, and whether any process saw a non-finite one
+            stats = distributed.all_sum(torch.stack([loss.detach(), (~torch.isfinite(loss)).float()]), d)
+            global_loss = stats[0].item() / d.world_size
+            if stats[1].item() > 0:
                 status = "diverged"
-                message = f"loss became {loss.item()} at step {step + 1}; the last good checkpoint is kept"
+                message = f"loss became {global_loss} at step {step + 1}; the last good checkpoint is kept"
                 break
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -227,7 +230,7 @@ def train(cfg: RunConfig, resume: bool = False, quiet: bool = False) -> Dict[str
             state["train_time"] += time.perf_counter() - t0
             state["tokens"] += tokens_per_step
             state["step"] = step = step + 1
-            losses.append(loss.item())
+            losses.append(global_loss)
             bar.update(1)
 
             if step % tc.log_every == 0 and log is not None:
@@ -244,7 +247,7 @@ def train(cfg: RunConfig, resume: bool = False, quiet: bool = False) -> Dict[str
                 if log is not None:
                     log.write(json.dumps({"step": step, "val_acc": acc, "val_loss": val_loss}) + "\n")
                     log.flush()
-                bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{acc:.3f}", tok_s=f"{state['tokens'] / state['train_time']:.0f}")
+                bar.set_postfix(loss=f"{global_loss:.3f}", val=f"{acc:.3f}", tok_s=f"{state['tokens'] / state['train_time']:.0f}")
             if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.steps:
                 save()
             if distributed.any_flag(stop["signal"] is not None, d, device):

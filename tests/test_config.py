@@ -94,3 +94,10 @@ def test_shipped_configs_resolve_for_every_task_and_backend() -> None:
         for attn in list_attentions():
             for preset in config.list_presets():
                 config.resolve(task, attn, preset)
+
+
+def test_exponent_without_a_dot_is_a_number(configs: Path) -> None:
+    # YAML 1.1 reads "3e-4" as a string; users write learning rates that way
+    assert config.resolve("listops", "full", "paper", ["train.lr=3e-4"]).train.lr == 3e-4
+    (configs / "presets" / "exp.yaml").write_text("train: {lr: 2e-3}\n")
+    assert config.resolve("listops", "full", "exp").train.lr == 2e-3

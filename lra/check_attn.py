@@ -1,0 +1,73 @@
+"""lra-check-attn: run the attention contract battery (``attentions.check``) on a user's backends.
+
+    lra-check-attn path/to/my_attention.py [--name NAME ...]
+
+Prints PASS / FAIL (with why) / SKIP for every check of every backend the file registers (or of the
+named ones; built-in names are fine). Exit status 0 when every check passes, 1 when one fails,
+2 for bad input (not a .py file, an import error, no backend registered, an unknown --name).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from attentions import get_attention, list_attentions, load_attention_module
+from attentions.check import FAIL, Report, Sizes, check_backend
+
+from .cli import Parser
+from .errors import UserError
+
+
+def parser() -> Parser:
+    p = Parser(
+        prog="lra-check-attn",
+        description="Check that attention backends keep the contract: shapes, finite gradients, padding invariance, taxonomy.",
+        epilog="example: lra-check-attn examples/my_attention.py",
+    )
+    p.add_argument("file", nargs="?", metavar="FILE.py", help="a Python file that registers backends with @register")
+    p.add_argument("--name", dest="names", action="append", default=[], metavar="NAME",
+                   help="check only this backend (may repeat; a built-in name is fine)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs (default 0)")
+    return p
+
+
+def origin(name: str) -> str:
+    """Where a backend comes from: "built-in", its user file, or its module (an entry point)."""
+    module = get_attention(name).__module__
+    if module.startswith("attentions."):
+        return "built-in"
+    return getattr(sys.modules.get(module), "__file__", None) or module
+
+
+def print_report(report: Report, sizes: Sizes) -> None:
+    note = f"; {report.dtype_note}" if report.dtype_note else ""
+    print(f"{report.name} ({origin(report.name)}): {report.dtype}, "
+          f"B={sizes.batch} H={sizes.heads} N={sizes.length} D={sizes.head_dim}{note}")
+    for result in report.results:
+        print(f"  {result.line()}")
+    failed = sum(r.status == FAIL for r in report.results)
+    verdict = f"{failed} of {len(report.results)} checks failed" if failed else "every check passed"
+    print(f"  -> {report.name}: {verdict}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    if args.file is None and not args.names:
+        raise UserError("give the Python file that registers your backend (lra-check-attn examples/my_attention.py) or --name NAME")
+    if args.file is not None and (not Path(args.file).is_file() or Path(args.file).suffix != ".py"):
+        raise UserError(f"{args.file!r} is not a Python file; give the path of a .py file that registers backends")
+    new = load_attention_module(args.file) if args.file is not None else []
+    if args.file is not None and not new:
+        raise UserError(f"{args.file} registers no new backend; decorate a subclass of attentions.Attention with @register(name)")
+    known = list_attentions()
+    for name in args.names:
+        if name not in known:
+            raise UserError(f"unknown --name {name!r}; known: {', '.join(known)}")
+    sizes = Sizes()
+    passed = True
+    for name in args.names or new:
+        report = check_backend(name, sizes, seed=args.seed)
+        print_report(report, sizes)
+        passed = passed and report.passed
+    return 0 if passed else 1

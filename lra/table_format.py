@@ -1,0 +1,104 @@
+"""A table of display strings, rendered as Markdown, LaTeX (booktabs) and CSV, written atomically."""
+from __future__ import annotations
+
+import csv
+import io
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+MISSING = "—"
+
+
+@dataclass
+class Table:
+    title: str
+    columns: List[str]
+    rows: List[List[str]] = field(default_factory=list)
+    # indices of the rows that start a group (a \midrule above them in LaTeX)
+    breaks: List[int] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+    # machine-readable rows for the CSV file (numbers, not display strings); None: the display rows
+    records: Optional[List[Dict[str, Any]]] = None
+
+
+def markdown(table: Table) -> str:
+    def line(cells: List[str]) -> str:
+        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+    out = [f"### {table.title}", "", line(table.columns), "|" + "|".join("---" for _ in table.columns) + "|"]
+    out += [line(row) for row in table.rows]
+    if table.notes:
+        out += [""] + [f"{note}  " for note in table.notes]
+    return "\n".join(out) + "\n"
+
+
+LATEX_ESCAPES = {
+    "\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
+    "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "±": r"$\pm$", MISSING: "--", "–": "--",
+    "×": r"$\times$", "≤": r"$\leq$",
+}
+
+
+def latex_escape(text: str) -> str:
+    return "".join(LATEX_ESCAPES.get(ch, ch) for ch in text)
+
+
+def latex(table: Table) -> str:
+    """A booktabs tabular with the title as a comment (the paper's caption is the author's to write)."""
+    out = [f"% {table.title}", r"\begin{tabular}{" + "l" * len(table.columns) + "}", r"\toprule"]
+    out.append(" & ".join(latex_escape(c) for c in table.columns) + r" \\")
+    out.append(r"\midrule")
+    for i, row in enumerate(table.rows):
+        if i in table.breaks and i > 0:
+            out.append(r"\midrule")
+        out.append(" & ".join(latex_escape(c) for c in row) + r" \\")
+    out += [r"\bottomrule", r"\end{tabular}"]
+    out += [f"% {note}" for note in table.notes]
+    return "\n".join(out) + "\n"
+
+
+def csv_text(table: Table) -> str:
+    buffer = io.StringIO()
+    if table.records is None:
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(table.columns)
+        writer.writerows(table.rows)
+    else:
+        keys = list(dict.fromkeys(k for record in table.records for k in record))
+        dict_writer = csv.DictWriter(buffer, fieldnames=keys, lineterminator="\n")
+        dict_writer.writeheader()
+        dict_writer.writerows(table.records)
+    return buffer.getvalue()
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write to a temporary file in the same folder, then rename: a kill never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        # mkstemp makes the file private (0600); give it the permissions a plain open() would
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_tables(out: Path, stem: str, tables: List[Table]) -> List[Path]:
+    """``<stem>.md`` and ``<stem>.tex`` hold every table; ``<stem>.csv`` holds the first (our results)."""
+    files = {
+        out / f"{stem}.md": "\n".join(markdown(t) for t in tables),
+        out / f"{stem}.tex": "\n".join(latex(t) for t in tables),
+        out / f"{stem}.csv": csv_text(tables[0]),
+    }
+    for path, text in files.items():
+        write_atomic(path, text.encode("utf-8"))
+    return list(files)

@@ -1,0 +1,443 @@
+"""lra-table: result records -> accuracy, efficiency, taxonomy and throughput tables, and plots.
+
+    lra-table [--runs results/runs] [--out results/tables] [--reference DIR] [--attn-module FILE.py ...]
+
+Reads ``<runs>/*/record.json`` (schema in ``lra/record.py``) and prints our numbers beside the
+published ones (``reference/published_lra.csv`` and ``published_efficiency.csv``). Writes
+``<out>/{accuracy,efficiency,taxonomy,throughput}.{md,csv,tex}`` and two PNG plots, each file
+atomically, and prints the Markdown tables. A diverged run shows as "diverged", never as a number.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+from attentions import build_attention, get_attention, list_attentions, load_attention_module
+
+from .cli import Parser
+from .errors import UserError
+from .record import validate_record
+from .table_format import MISSING, Table, markdown, write_tables
+
+TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
+# the LRA average leaves Path-X out, as the papers do
+AVG_TASKS = TASKS[:5]
+TITLES = {"listops": "ListOps", "text": "Text", "retrieval": "Retrieval", "image": "Image",
+          "pathfinder": "Pathfinder", "pathx": "Path-X"}
+SOURCES = {"tay2021_lra": "Tay et al. 2021", "nystromformer2021": "Xiong et al. 2021", "skyformer2021": "Chen et al. 2021",
+           "xformers_lra": "xformers LRA page", "mita2026": "Wen et al. 2026", "mega2023": "Ma et al. 2023"}
+REPO = Path(__file__).resolve().parents[1]
+REFERENCE_FILES = ("published_lra.csv", "published_efficiency.csv")
+# sizes the taxonomy table builds each backend with to ask for its per-query budget
+BUDGET_DIMS = {"num_heads": 1, "head_dim": 16, "max_len": 4096}
+
+
+@dataclass
+class Summary:
+    """One number over the seeds of a (backend, preset, task): completed values and diverged runs."""
+
+    values: List[float] = field(default_factory=list)
+    diverged: int = 0
+
+    @property
+    def mean(self) -> Optional[float]:
+        return statistics.fmean(self.values) if self.values else None
+
+    @property
+    def std(self) -> Optional[float]:
+        return statistics.stdev(self.values) if len(self.values) > 1 else None
+
+    def text(self, fmt: str = "{:.2f}") -> str:
+        if not self.values:
+            return "diverged" if self.diverged else MISSING
+        out = fmt.format(self.mean) + (f" ± {fmt.format(self.std)}" if self.std is not None else "")
+        if self.diverged:
+            out += f" ({self.diverged} of {self.diverged + len(self.values)} diverged)"
+        return out
+
+
+def summarize(records: Iterable[Dict[str, Any]], key: str, scale: float = 1.0) -> Summary:
+    summary = Summary()
+    for record in records:
+        if record["status"] == "diverged":
+            summary.diverged += 1
+        elif record.get(key) is not None:
+            summary.values.append(float(record[key]) * scale)
+    return summary
+
+
+def find_reference(explicit: Optional[str]) -> Tuple[Optional[Path], List[Path]]:
+    """The folder of the published CSVs, and the places searched."""
+    if explicit is not None:
+        folder = Path(explicit)
+        if not (folder / REFERENCE_FILES[0]).is_file():
+            raise UserError(
+                f"--reference {explicit}: no {REFERENCE_FILES[0]} there; give the folder that holds {' and '.join(REFERENCE_FILES)}"
+            )
+        return folder, [folder]
+    places = [REPO / "reference", REPO / "shared" / "reference", REPO.parent / "shared" / "reference"]
+    return next((p for p in places if (p / REFERENCE_FILES[0]).is_file()), None), places
+
+
+def read_csv(path: Path) -> List[Dict[str, str]]:
+    if not path.is_file():
+        return []
+    try:
+        with open(path, newline="") as f:
+            return list(csv.DictReader(f))
+    except (OSError, csv.Error) as err:
+        raise UserError(f"cannot read {path}: {err}")
+
+
+def load_records(runs: Path) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """Finished records under ``runs`` (the latest per backend, preset, task and seed), and notes on what was left out."""
+    notes: List[str] = []
+    latest: Dict[Tuple[str, str, str, int], Dict[str, Any]] = {}
+    superseded = 0
+    for path in sorted(runs.glob("*/record.json")):
+        try:
+            record = json.loads(path.read_text())
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+            validate_record(record)
+        except (OSError, ValueError) as err:
+            notes.append(f"skipped {path}: {err}")
+            continue
+        if record["status"] not in ("completed", "diverged"):
+            notes.append(f"skipped {path}: status {record['status']!r} (the run has not finished)")
+            continue
+        key = (record["attn"], record["preset"], record["task"], record["seed"])
+        if key in latest:
+            superseded += 1
+            if str(record["finished_at"] or "") < str(latest[key]["finished_at"] or ""):
+                continue
+        latest[key] = record
+    if superseded:
+        notes.append(f"{superseded} older record(s) of a backend, preset, task and seed run again were left out "
+                     "(the latest is kept)")
+    return list(latest.values()), notes
+
+
+def backend_order(names: Iterable[str]) -> List[str]:
+    """Registered backends in registry order, then any others named in records."""
+    registered = list_attentions()
+    names = set(names)
+    return [n for n in registered if n in names] + sorted(names - set(registered))
+
+
+def grouped(records: List[Dict[str, Any]]) -> Dict[Tuple[str, str, str], List[Dict[str, Any]]]:
+    """Records by (preset, attn, task)."""
+    groups: Dict[Tuple[str, str, str], List[Dict[str, Any]]] = defaultdict(list)
+    for record in records:
+        groups[(record["preset"], record["attn"], record["task"])].append(record)
+    return groups
+
+
+def task_list(records: List[Dict[str, Any]]) -> List[str]:
+    """The six LRA tasks, then any other task named in records."""
+    return list(TASKS) + sorted({r["task"] for r in records} - set(TASKS))
+
+
+def average(summaries: Dict[str, Summary]) -> Optional[float]:
+    means = [summaries[t].mean if t in summaries else None for t in AVG_TASKS]
+    return None if any(m is None for m in means) else statistics.fmean(means)  # type: ignore[arg-type]
+
+
+def fmt_number(value: Optional[float]) -> str:
+    return MISSING if value is None else f"{value:.2f}"
+
+
+def seeds_text(cells: Dict[str, Summary]) -> str:
+    """Seeds per task of one row: "3", or "1–3" when tasks differ."""
+    counts = sorted({len(s.values) + s.diverged for s in cells.values()})
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
+
+
+def our_accuracy_rows(records: List[Dict[str, Any]], tasks: List[str], table: Table) -> List[Dict[str, Any]]:
+    """Append one row per (preset, backend) and a majority-class row per preset; return the CSV rows."""
+    long: List[Dict[str, Any]] = []
+    groups = grouped(records)
+    for preset in sorted({r["preset"] for r in records}):
+        table.breaks.append(len(table.rows))
+        protocol = f"preset {preset}"
+        for attn in backend_order(r["attn"] for r in records if r["preset"] == preset):
+            cells = {t: summarize(groups[(preset, attn, t)], "test_acc", 100.0) for t in tasks if groups.get((preset, attn, t))}
+            avg = average(cells)
+            table.rows.append([attn, "this suite", protocol, seeds_text(cells),
+                               *(cells[t].text() if t in cells else MISSING for t in tasks), fmt_number(avg)])
+            for t, s in cells.items():
+                long.append({"source": "this suite", "protocol": protocol, "model": attn, "task": t,
+                             "acc_mean": s.mean, "acc_std": s.std, "seeds": len(s.values), "diverged": s.diverged})
+            long.append({"source": "this suite", "protocol": protocol, "model": attn, "task": "avg", "acc_mean": avg})
+        # the majority class depends on the test split only, so any record of the task gives it
+        majority = {t: Summary([100.0 * rs[0]["majority_acc"]]) for (p, _, t), rs in groups.items() if p == preset}
+        table.rows.append(["majority class", "this suite", protocol, MISSING,
+                           *(majority[t].text() if t in majority else MISSING for t in tasks), fmt_number(average(majority))])
+    return long
+
+
+def published_value(row: Dict[str, str], column: str) -> Optional[float]:
+    # the CSV names Path-X's column path_x
+    text = (row.get("path_x" if column == "pathx" else column) or "").strip()
+    try:
+        return float(text) if text else None
+    except ValueError:
+        raise UserError(f"published_lra.csv: {column} of {row.get('model')!r} is {text!r}, not a number")
+
+
+def published_accuracy_rows(published: List[Dict[str, str]], tasks: List[str], table: Table) -> List[Dict[str, Any]]:
+    """Append the published rows grouped by protocol (an empty cell stays missing); return the CSV rows."""
+    long: List[Dict[str, Any]] = []
+    for protocol in dict.fromkeys(row["protocol"] for row in published):
+        table.breaks.append(len(table.rows))
+        for row in (r for r in published if r["protocol"] == protocol):
+            values = {t: published_value(row, t) for t in [*tasks, "avg"]}
+            table.rows.append([row["model"], SOURCES.get(row["source"], row["source"]), protocol, MISSING,
+                               *(fmt_number(values[t]) for t in [*tasks, "avg"])])
+            long += [{"source": row["source"], "protocol": protocol, "model": row["model"], "task": t, "acc_mean": value}
+                     for t, value in values.items()]
+    return long
+
+
+def accuracy_table(records: List[Dict[str, Any]], published: List[Dict[str, str]], reference: str) -> Table:
+    tasks = task_list(records)
+    table = Table("Test accuracy (%)", ["Model", "Source", "Protocol", "Seeds", *(TITLES.get(t, t) for t in tasks), "Avg"])
+    table.records = our_accuracy_rows(records, tasks, table) + published_accuracy_rows(published, tasks, table)
+    table.notes = [
+        "Test accuracy of the best-validation checkpoint; mean ± sample std over seeds where several. "
+        "Avg: mean of the five tasks without Path-X, given only when all five are present.",
+        f"{MISSING} = not run or not reported (the MiTA paper's per-task numbers are not public). Published rows: {reference}.",
+    ]
+    return table
+
+
+def fmt_duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
+
+
+def fmt_count(value: float) -> str:
+    for limit, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= limit:
+            return f"{value / limit:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+MEMORY_KINDS = {"cpu_peak_rss": "CPU peak RSS", "cuda_max_allocated": "CUDA max allocated"}
+
+
+def devices(records: List[Dict[str, Any]]) -> str:
+    return ", ".join(sorted({str(r["device_name"]) for r in records}))
+
+
+def efficiency_row(task: str, preset: str, attn: str, rs: List[Dict[str, Any]], full: List[Dict[str, Any]]
+                   ) -> Tuple[List[str], Dict[str, Any]]:
+    """The display row and the CSV row of one (task, preset, backend); only completed runs give numbers."""
+    time, speed, memory = (summarize(rs, key) for key in ("train_time_s", "tokens_per_s", "peak_memory_mb"))
+    full_time = summarize(full, "train_time_s")
+    # a ratio only between runs on the same hardware
+    ratio = time.mean / full_time.mean if time.mean is not None and full_time.mean and devices(rs) == devices(full) else None
+    kinds = ", ".join(sorted({MEMORY_KINDS.get(r["memory_kind"], r["memory_kind"]) for r in rs if r["status"] == "completed"}))
+    steps = round(statistics.fmean(r["steps"] for r in rs))
+    row = [
+        TITLES.get(task, task), attn, preset, str(len(rs)), str(steps),
+        fmt_duration(time.mean) if time.mean is not None else time.text(),
+        f"{ratio:.2f}×" if ratio is not None else MISSING,
+        fmt_count(speed.mean) if speed.mean is not None else speed.text(),
+        f"{memory.mean:,.0f} MB ({kinds})" if memory.mean is not None else memory.text(),
+        devices(rs),
+    ]
+    csv_row = {"task": task, "model": attn, "preset": preset, "seeds": len(rs), "diverged": time.diverged, "steps": steps,
+               "train_time_s": time.mean, "train_time_vs_full": ratio, "tokens_per_s": speed.mean,
+               "peak_memory_mb": memory.mean, "memory_kind": kinds, "device_name": devices(rs)}
+    return row, csv_row
+
+
+def efficiency_table(records: List[Dict[str, Any]]) -> Table:
+    table = Table("Training time and memory", ["Task", "Model", "Preset", "Seeds", "Steps", "Train time", "vs full",
+                                               "Tokens/s", "Peak memory", "Device"])
+    table.records = []
+    groups = grouped(records)
+    # (preset, attn) -> task -> mean train time, for the five-task totals
+    totals: Dict[Tuple[str, str], Dict[str, float]] = defaultdict(dict)
+    for task in task_list(records):
+        table.breaks.append(len(table.rows))
+        for preset in sorted({p for p, _, t in groups if t == task}):
+            for attn in backend_order(a for p, a, t in groups if t == task and p == preset):
+                full = groups.get((preset, "full", task), [])
+                row, csv_row = efficiency_row(task, preset, attn, groups[(preset, attn, task)], full)
+                table.rows.append(row)
+                table.records.append(csv_row)
+                if csv_row["train_time_s"] is not None and task in AVG_TASKS:
+                    totals[(preset, attn)][task] = csv_row["train_time_s"]
+    complete = sorted((key, sum(t.values())) for key, t in totals.items() if len(t) == len(AVG_TASKS))
+    if complete:
+        table.breaks.append(len(table.rows))
+    for (preset, attn), seconds in complete:
+        table.rows.append(["LRA total (5 tasks)", attn, preset, *[MISSING] * 2, fmt_duration(seconds), *[MISSING] * 4])
+    table.notes = ["Train time: wall-clock of the training steps (evaluation excluded), mean over completed seeds; "
+                   "vs full: train time over full attention's on the same task, preset and device; "
+                   "peak memory: CUDA max allocated on a GPU, the process's peak RSS on the CPU."]
+    return table
+
+
+def published_efficiency_table(rows: List[Dict[str, str]], reference: str) -> Table:
+    table = Table("Published training time, memory and throughput", ["Source", "Hardware", "What", "Model", "Value", "Notes"])
+    for row in rows:
+        table.rows.append([SOURCES.get(row["source"], row["source"]), row["hardware"], row["what"], row["model"],
+                           f"{row['value']} {row['unit']}", row.get("notes", "")])
+    table.notes = [f"From {reference}."]
+    return table
+
+
+def origin(module: str) -> str:
+    """"built-in", the user's file (relative to the working folder when inside it), or the entry point's module."""
+    if module.startswith("attentions."):
+        return "built-in"
+    path = getattr(sys.modules.get(module), "__file__", None)
+    if path is None:
+        return f"{module} (entry point)"
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def taxonomy_table() -> Table:
+    dims = ", ".join(f"{k}={v}" for k, v in BUDGET_DIMS.items())
+    table = Table("Where each backend sits in the MiTA taxonomy", [
+        "Name", "Paper", "Scaling", "Expert count", "Expert type", "Construction", "Routing",
+        f"Budget (N={BUDGET_DIMS['max_len']})", "Cost", "Mask", "From"])
+    for name in list_attentions():
+        cls = get_attention(name)
+        # a user's backend that cannot be built at these sizes still gets its row
+        try:
+            budget = build_attention(name, **BUDGET_DIMS).budget()
+        except Exception as err:
+            budget = f"(not built: {type(err).__name__}: {err})"
+        tax = cls.taxonomy
+        table.rows.append([name, cls.paper, tax.scaling, tax.expert_count, tax.expert_type, tax.construction,
+                           tax.routing, budget, cls.cost, "yes" if cls.supports_mask else "no", origin(cls.__module__)])
+    table.notes = [f"Generated from the code of every registered backend; budget = keys one query attends to, "
+                   f"at the backend's default settings ({dims}). Mask: honours a padding mask."]
+    return table
+
+
+def throughput_table(path: Path, data: Dict[str, Any]) -> Optional[Table]:
+    """Train tokens/s by backend and length from one lra-bench sweep record; None if it holds no points."""
+    cells: Dict[Tuple[str, int], str] = {}
+    for p in data.get("points") or []:
+        if not isinstance(p, dict):
+            continue
+        backend, length = p.get("backend", p.get("attn")), p.get("length", p.get("n"))
+        if backend is None or not isinstance(length, int):
+            continue
+        rate = p.get("tokens_per_s")
+        rate = rate.get("train") if isinstance(rate, dict) else rate
+        status = str(p.get("status", "ok"))
+        if isinstance(rate, (int, float)) and status in ("ok", "estimated"):
+            cells[(backend, length)] = ("~" if p.get("estimated") else "") + fmt_count(rate)
+        else:
+            cells[(backend, length)] = f"({status})" if p.get("skipped") else status
+    if not cells:
+        return None
+    lengths = sorted({n for _, n in cells})
+    hw = data.get("hardware")
+    device = (hw.get("gpu") or hw.get("cpu_model") or "") if isinstance(hw, dict) else ""
+    level = f", {data['level']} level" if data.get("level") else ""
+    table = Table(f"Train throughput (tokens/s): {path.parent.name}/{path.name}{level}" + (f", {device}" if device else ""),
+                  ["Backend", *(f"N={n:,}" for n in lengths)])
+    for backend in backend_order(b for b, _ in cells):
+        table.rows.append([backend, *(cells.get((backend, n), MISSING) for n in lengths)])
+    table.notes = ["~ = estimated; oom / timeout = the point did not fit; (status) = not run after a shorter length failed."]
+    return table
+
+
+def throughput_tables(folder: Path) -> List[Table]:
+    """One table per sweep record under ``folder`` (any ``*.json`` holding a "points" list)."""
+    tables = []
+    for path in sorted(folder.glob("**/*.json")) if folder.is_dir() else []:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        table = throughput_table(path, data) if isinstance(data, dict) and isinstance(data.get("points"), list) else None
+        if table is not None:
+            tables.append(table)
+    return tables
+
+
+def shown(path: Optional[Path]) -> str:
+    """A path as the tables print it: relative to the repo when inside it, so committed tables stay portable."""
+    if path is None:
+        return ""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def parser() -> Parser:
+    p = Parser(prog="lra-table", description="Build comparison tables and plots from result records, beside the published numbers.")
+    p.add_argument("--runs", default="results/runs", help="folder of run folders holding record.json (default results/runs)")
+    p.add_argument("--out", default="results/tables", help="where to write the tables and plots (default results/tables)")
+    p.add_argument("--reference", help="folder of published_lra.csv and published_efficiency.csv (default: the repo's reference/)")
+    p.add_argument("--throughput", help="folder of lra-bench sweep records (default: throughput/ beside --runs)")
+    p.add_argument("--attn-module", action="append", default=[], metavar="FILE.py",
+                   help="a Python file registering more backends (for the taxonomy table; may repeat)")
+    p.add_argument("--no-plots", action="store_true", help="write the tables only")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    for path in args.attn_module:
+        load_attention_module(path)
+    runs, out = Path(args.runs), Path(args.out)
+    records, notes = load_records(runs)
+    reference, places = find_reference(args.reference)
+    if reference is None:
+        looked = ", ".join(map(str, places))
+        print(f"lra-table: no published numbers found (looked in {looked}); tables without them", file=sys.stderr)
+    for note in notes:
+        print(f"lra-table: {note}", file=sys.stderr)
+    if not records:
+        print(f"no run records in {runs}" + ("" if runs.is_dir() else " (the folder does not exist)"))
+    acc_file, eff_file = ((reference / name) if reference is not None else None for name in REFERENCE_FILES)
+    published_acc = read_csv(acc_file) if acc_file is not None else []
+    published_eff = read_csv(eff_file) if eff_file is not None else []
+
+    outputs: Dict[str, List[Table]] = {}
+    if records:
+        outputs["accuracy"] = [accuracy_table(records, published_acc, shown(acc_file) if published_acc else "none found")]
+        outputs["efficiency"] = [efficiency_table(records)]
+        if published_eff:
+            outputs["efficiency"].append(published_efficiency_table(published_eff, shown(eff_file)))
+    outputs["taxonomy"] = [taxonomy_table()]
+    throughput = throughput_tables(Path(args.throughput) if args.throughput else runs.parent / "throughput")
+    if throughput:
+        outputs["throughput"] = throughput
+
+    written: List[Path] = []
+    try:
+        for stem, tables in outputs.items():
+            written += write_tables(out, stem, tables)
+            for table in tables:
+                print(markdown(table))
+        if not args.no_plots and records:
+            from .plots import plot_all
+
+            written += plot_all(records, out, backend_order(r["attn"] for r in records))
+    except OSError as err:
+        raise UserError(f"cannot write to {out}: {err.strerror or err}; choose another folder with --out")
+    print(f"wrote {len(written)} files to {out}: {', '.join(sorted(p.name for p in written))}")
+    return 0

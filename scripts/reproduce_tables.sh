@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Regenerate results/tables/ (Markdown, CSV, LaTeX, plots) from the committed records in results/runs/.
+# No training; takes seconds. Extra arguments go to lra-table, e.g. --attn-module examples/my_attention.py
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec lra-table --runs results/runs --out results/tables "$@"

@@ -1,0 +1,181 @@
+"""One battery for every registered backend: shapes, finiteness, padding, mixed lengths, registry errors.
+
+The backends are whatever ``list_attentions()`` returns, each built with its defaults at max_len=64, so
+a new backend is covered the moment it registers. Backends whose ``supports_mask`` is False skip the
+mask tests.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, List, Optional, Sequence
+
+import pytest
+import torch
+
+from attentions import Attention, AttentionError, Taxonomy, build_attention, get_attention, list_attentions, register
+from attentions.base import SCALING_STRATEGIES
+
+B, H, N, D = 2, 2, 64, 16
+NAMES = list_attentions()
+# real lengths of the padded rows: a full row, one past a block boundary, one shorter than most budgets
+LENGTHS = (N, 29, 7)
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out - ref).abs().max().detach() / ref.abs().max().detach().clamp_min(1e-30))
+
+
+def build(name: str) -> Attention:
+    torch.manual_seed(0)
+    return build_attention(name, num_heads=H, head_dim=D, max_len=N)
+
+
+def make_qkv(batch: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> List[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, H, N, D, generator=gen, dtype=dtype) for _ in range(3)]
+
+
+def make_mask(lengths: Sequence[int]) -> torch.Tensor:
+    return torch.arange(N)[None, :] < torch.tensor(lengths)[:, None]  # [B, N]
+
+
+def skip_without_mask(name: str) -> None:
+    if not get_attention(name).supports_mask:
+        pytest.skip(f"{name} declares supports_mask=False, so the builder never pairs it with padding")
+
+
+def cases(suffix: str = "", batch: int = B) -> List[Any]:
+    return [pytest.param(name, id=f"{name}-B{batch}-N{N}{suffix}") for name in NAMES]
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "masked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("name", cases())
+def test_shape_and_dtype_kept(name: str, dtype: torch.dtype, masked: bool) -> None:
+    if masked:
+        skip_without_mask(name)
+    attn = build(name).to(dtype)
+    q, k, v = make_qkv(B, dtype)
+    try:
+        out = attn(q, k, v, make_mask(LENGTHS[:B]) if masked else None)
+    except AttentionError as err:
+        if dtype is torch.float32:
+            raise
+        pytest.skip(f"{name} does not run in float64: {err}")
+    assert out.shape == (B, H, N, D)
+    assert out.dtype == dtype
+
+
+@pytest.mark.parametrize("name", cases("-masked"))
+def test_forward_backward_finite(name: str) -> None:
+    skip_without_mask(name)
+    attn = build(name)
+    q, k, v = (x.requires_grad_() for x in make_qkv(B))
+    out = attn(q, k, v, make_mask(LENGTHS[:B]))
+    # padded rows included: they must be finite, not NaN from an all-masked softmax
+    assert bool(out.isfinite().all()), "non-finite output rows"
+    out.square().sum().backward()
+    for label, tensor in [("q", q), ("k", k), ("v", v)] + list(attn.named_parameters()):
+        assert tensor.grad is not None and bool(tensor.grad.isfinite().all()), f"non-finite gradient of {label}"
+
+
+@pytest.mark.parametrize("name", cases("-masked"))
+def test_padding_is_invisible(name: str) -> None:
+    skip_without_mask(name)
+    attn = build(name)
+    mask = make_mask(LENGTHS[:B])
+    real = mask[:, None, :, None]  # [B, 1, N, 1]
+    q, k, v = (x.requires_grad_() for x in make_qkv(B))
+    out = attn(q, k, v, mask)
+    # replace everything at padded positions with large random values
+    noise = make_qkv(B, seed=1)
+    noisy = [torch.where(real, x, 10 * n) for x, n in zip((q, k, v), noise)]
+    out_noisy = attn(*noisy, mask)
+    assert rel_err(out_noisy * real, out * real) < TOL[torch.float32]
+    # and to first order: real outputs send no gradient to padded positions
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)) * real
+    for label, g in zip("qkv", torch.autograd.grad((out * weight).sum(), (q, k, v))):
+        leaked = float(g.masked_select(~real).abs().max())
+        assert leaked <= 1e-6 * float(g.abs().max()), f"padded {label} gets gradient {leaked:.2e}"
+
+
+@pytest.mark.parametrize("name", cases("-lengths" + "-".join(map(str, LENGTHS)), batch=len(LENGTHS)))
+def test_mixed_lengths_match_each_alone(name: str) -> None:
+    skip_without_mask(name)
+    # one module for the batch and every lone run: backends with learned parameters (linformer) reuse them
+    attn = build(name)
+    q, k, v = make_qkv(len(LENGTHS))
+    out = attn(q, k, v, make_mask(LENGTHS))
+    for b, length in enumerate(LENGTHS):
+        alone = attn(q[b : b + 1, :, :length], k[b : b + 1, :, :length], v[b : b + 1, :, :length])
+        err = rel_err(out[b : b + 1, :, :length], alone)
+        assert err < TOL[torch.float32], f"row {b} (length {length}): relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_backend_describes_itself(name: str) -> None:
+    cls = get_attention(name)
+    assert isinstance(cls.taxonomy, Taxonomy) and cls.taxonomy.scaling in SCALING_STRATEGIES
+    for field in dataclasses.fields(cls.taxonomy):
+        assert getattr(cls.taxonomy, field.name).strip(), f"empty taxonomy.{field.name}"
+    assert cls.paper.strip() and cls.cost.strip()
+    budget = build(name).budget()
+    assert isinstance(budget, str) and budget.strip()
+    # every hyperparameter has a default, so build_attention(name) works with no overrides
+    for field in dataclasses.fields(cls.Config):
+        assert field.default is not dataclasses.MISSING or field.default_factory is not dataclasses.MISSING
+
+
+def test_unknown_name_lists_known_names() -> None:
+    with pytest.raises(AttentionError) as err:
+        build_attention("no-such-attention", num_heads=H, head_dim=D, max_len=N)
+    message = str(err.value)
+    assert "no-such-attention" in message
+    assert all(name in message for name in NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_unknown_override_names_key_and_valid_ones(name: str) -> None:
+    with pytest.raises(AttentionError) as err:
+        build_attention(name, num_heads=H, head_dim=D, max_len=N, no_such_option=1)
+    message = str(err.value)
+    assert "no_such_option" in message
+    valid = [f.name for f in dataclasses.fields(get_attention(name).Config)]
+    assert all(field in message for field in valid) if valid else "(none)" in message
+
+
+def wrong_value(kind: Any) -> Optional[Any]:
+    """A value of the wrong type for a field annotated ``kind``; None where the type is not checked."""
+    if typing.get_origin(kind) is typing.Union:
+        kind = next(option for option in typing.get_args(kind) if option is not type(None))
+    if kind in (int, float, bool):
+        return "not-a-number"
+    if kind is str:
+        return 3
+    return None
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_wrong_override_type_is_named(name: str) -> None:
+    hints = typing.get_type_hints(get_attention(name).Config)
+    fields = [(field, wrong_value(kind)) for field, kind in hints.items() if wrong_value(kind) is not None]
+    if not fields:
+        pytest.skip(f"{name} has no int/float/bool/str hyperparameters")
+    for field, value in fields:
+        with pytest.raises(AttentionError, match=field):
+            build_attention(name, num_heads=H, head_dim=D, max_len=N, **{field: value})
+
+
+def test_duplicate_registration_rejected() -> None:
+    original = get_attention(NAMES[0])
+
+    class Impostor(Attention):
+        paper = "nobody"
+        cost = "O(1)"
+        taxonomy = Taxonomy("none", "1", "none", "none", "none")
+
+    with pytest.raises(AttentionError, match="already registered"):
+        register(NAMES[0])(Impostor)
+    assert get_attention(NAMES[0]) is original

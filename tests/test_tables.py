@@ -1,0 +1,193 @@
+"""lra-table: synthetic records -> accuracy, efficiency, taxonomy and throughput tables, and plots."""
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+
+from attentions import list_attentions, registry
+from lra import tables
+from lra.cli import guarded
+from lra.record import RECORD_KEYS, validate_record
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "my_attention.py"
+FIVE = ("listops", "text", "retrieval", "image", "pathfinder")
+
+
+@pytest.fixture(autouse=True)
+def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backends a test loads from a file are forgotten after it (built-ins are loaded first, into the real registry)."""
+    list_attentions()
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_loaded_files", dict(registry._loaded_files))
+
+
+def make_record(task: str, attn: str, seed: int, test_acc: float, status: str = "completed",
+                train_time_s: float = 100.0, finished_at: str = "2026-01-01T00:00:00+00:00") -> Dict[str, Any]:
+    record: Dict[str, Any] = {key: None for key in RECORD_KEYS}
+    record.update(
+        schema=1, status=status, run_name=f"{task}_{attn}_cpu_seed{seed}", task=task, attn=attn, preset="cpu", seed=seed,
+        config={}, attn_budget="N", steps=50, best_step=40, val_acc=test_acc, majority_acc=0.2,
+        test_acc=test_acc if status == "completed" else None, train_time_s=train_time_s, eval_time_s=5.0,
+        tokens_per_s=2000.0, peak_memory_mb=400.0, memory_kind="cpu_peak_rss", params=1000, device="cpu",
+        device_name="x86_64 (2 CPUs visible)", world_size=1, precision="fp32", finished_at=finished_at,
+        message="" if status == "completed" else "loss became nan at step 7",
+    )
+    validate_record(record)
+    return record
+
+
+def write_runs(folder: Path, records: List[Dict[str, Any]]) -> Path:
+    for i, record in enumerate(records):
+        run = folder / f"{record['run_name']}-{i}"
+        run.mkdir(parents=True)
+        (run / "record.json").write_text(json.dumps(record))
+    return folder
+
+
+# full: all five tasks, two seeds on ListOps; mita: ListOps with one diverged seed, Retrieval diverged only
+FULL_ACC = {"listops": 0.30, "text": 0.60, "retrieval": 0.70, "image": 0.40, "pathfinder": 0.65}
+RECORDS = [
+    *(make_record(task, "full", 0, acc) for task, acc in FULL_ACC.items()),
+    make_record("listops", "full", 1, 0.40),
+    # an older record of a seed already run: left out
+    make_record("text", "full", 0, 0.99, finished_at="2025-01-01T00:00:00+00:00"),
+    make_record("listops", "mita", 0, 0.50, train_time_s=40.0),
+    make_record("listops", "mita", 1, 0.0, status="diverged"),
+    make_record("retrieval", "mita", 0, 0.0, status="diverged"),
+]
+
+
+def run_table(tmp_path: Path, *args: str) -> Path:
+    out = tmp_path / "tables"
+    assert tables.main(["--runs", str(tmp_path / "runs"), "--out", str(out), *args]) == 0
+    return out
+
+
+def row(markdown: str, *starts: str) -> List[str]:
+    """The cells of the first Markdown table row whose leading cells are ``starts``."""
+    for line in markdown.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[: len(starts)] == list(starts):
+            return cells
+    raise AssertionError(f"no row starting {starts}")
+
+
+def test_accuracy_mean_std_diverged_and_average(tmp_path: Path) -> None:
+    write_runs(tmp_path / "runs", RECORDS)
+    out = run_table(tmp_path, "--no-plots")
+    md = (out / "accuracy.md").read_text()
+    header = row(md, "Model", "Source")
+    full = dict(zip(header, row(md, "full", "this suite")))
+    mita = dict(zip(header, row(md, "mita", "this suite")))
+    # two seeds on ListOps: 30 and 40 -> mean 35, sample std 7.07
+    assert full["ListOps"] == "35.00 ± 7.07" and full["Seeds"] == "1–2"
+    # the older seed-0 Text record (99%) is superseded by the newer one (60%)
+    assert full["Text"] == "60.00"
+    assert full["Avg"] == f"{statistics.fmean([35.0, 60.0, 70.0, 40.0, 65.0]):.2f}" and full["Path-X"] == "—"
+    assert mita["ListOps"] == "50.00 (1 of 2 diverged)"
+    assert mita["Retrieval"] == "diverged" and mita["Avg"] == "—"
+    # published rows beside ours; the MiTA paper's per-task numbers are missing, not invented
+    published = dict(zip(header, row(md, "MiTA", "Wen et al. 2026")))
+    assert published["ListOps"] == "—" and published["Avg"] == "58.91"
+    assert dict(zip(header, row(md, "Transformer", "Tay et al. 2021")))["Retrieval"] == "57.46"
+    tex = (out / "accuracy.tex").read_text()
+    assert r"35.00 $\pm$ 7.07" in tex and "diverged" in tex and r"\bottomrule" in tex
+
+
+def test_accuracy_csv_is_numeric_and_never_numbers_a_diverged_run(tmp_path: Path) -> None:
+    write_runs(tmp_path / "runs", RECORDS)
+    out = run_table(tmp_path, "--no-plots")
+    rows = list(csv.DictReader(open(out / "accuracy.csv")))
+    ours = {(r["model"], r["task"]): r for r in rows if r["source"] == "this suite"}
+    assert float(ours[("full", "listops")]["acc_mean"]) == pytest.approx(35.0)
+    assert float(ours[("full", "listops")]["acc_std"]) == pytest.approx(statistics.stdev([30.0, 40.0]))
+    assert ours[("mita", "retrieval")]["acc_mean"] == "" and ours[("mita", "retrieval")]["diverged"] == "1"
+    assert ours[("mita", "avg")]["acc_mean"] == ""
+
+
+def test_efficiency_ratio_totals_and_diverged(tmp_path: Path) -> None:
+    write_runs(tmp_path / "runs", RECORDS)
+    md = (run_table(tmp_path, "--no-plots") / "efficiency.md").read_text()
+    header = row(md, "Task", "Model")
+    mita = dict(zip(header, row(md, "ListOps", "mita")))
+    assert mita["Train time"] == "40.0 s" and mita["vs full"] == "0.40×" and mita["Seeds"] == "2"
+    assert dict(zip(header, row(md, "Retrieval", "mita")))["Train time"] == "diverged"
+    # full has all five tasks: its LRA total is the sum of the per-task means; mita has no total
+    assert dict(zip(header, row(md, "LRA total (5 tasks)", "full")))["Train time"] == "8.3 min"
+    assert "| LRA total (5 tasks) | mita" not in md
+    assert "Published training time" in md and "10.6 hours" in md
+
+
+def test_plots_written_atomically(tmp_path: Path) -> None:
+    write_runs(tmp_path / "runs", RECORDS)
+    out = run_table(tmp_path)
+    for name in ("accuracy_by_task.png", "accuracy_vs_time.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not [p for p in out.iterdir() if p.name.startswith(".")], "temporary files left behind"
+
+
+def test_empty_runs_still_give_taxonomy_with_user_backend(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "runs").mkdir()
+    out = run_table(tmp_path, "--attn-module", str(EXAMPLE))
+    stdout = capsys.readouterr().out
+    assert f"no run records in {tmp_path / 'runs'}" in stdout
+    assert not (out / "accuracy.md").exists() and not (out / "accuracy_by_task.png").exists()
+    md = (out / "taxonomy.md").read_text()
+    header = row(md, "Name", "Paper")
+    for name in ["full", "linear", "linformer", "moba", "topk", "agent", "mita"]:
+        assert dict(zip(header, row(md, name)))["From"] == "built-in"
+    mine = dict(zip(header, row(md, "myattn")))
+    assert mine["Scaling"] == "none" and mine["Mask"] == "yes" and mine["Budget (N=4096)"] == "N"
+    assert mine["From"].endswith("my_attention.py")
+    assert dict(zip(header, row(md, "mita")))["Budget (N=4096)"] == "m + k = 128"
+    assert "myattn" in (out / "taxonomy.csv").read_text()
+
+
+def test_throughput_table_from_sweep_record(tmp_path: Path) -> None:
+    (tmp_path / "runs").mkdir()
+    sweep = tmp_path / "throughput" / "cpu-sweep"
+    sweep.mkdir(parents=True)
+    points = [
+        {"backend": "full", "length": 1024, "status": "ok", "tokens_per_s": {"train": 51200.0}},
+        {"backend": "full", "length": 4096, "status": "oom"},
+        {"backend": "full", "length": 16384, "status": "oom", "skipped": True},
+        {"backend": "mita", "length": 1024, "status": "ok", "tokens_per_s": {"train": 80000.0}},
+        {"backend": "mita", "length": 4096, "status": "estimated", "estimated": True, "tokens_per_s": {"train": 70000.0}},
+    ]
+    (sweep / "record.json").write_text(json.dumps({"hardware": {"gpu": None, "cpu_model": "Test CPU"}, "points": points}))
+    (sweep / "unrelated.json").write_text(json.dumps({"no": "points"}))
+    md = (run_table(tmp_path) / "throughput.md").read_text()
+    assert "Test CPU" in md
+    assert row(md, "full") == ["full", "51.2k", "oom", "(oom)"]
+    assert row(md, "mita") == ["mita", "80k", "~70k", "—"]
+
+
+def test_reference_search_and_missing_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture) -> None:
+    found, _ = tables.find_reference(None)
+    assert found is not None and (found / "published_efficiency.csv").is_file()
+    code = guarded("lra-table", lambda: tables.main(["--runs", str(tmp_path), "--reference", str(tmp_path / "nowhere")]))
+    assert code == 2 and "no published_lra.csv there" in capsys.readouterr().err
+    # no reference anywhere: one line says so, and the tables have our rows only
+    monkeypatch.setattr(tables, "REPO", tmp_path / "clone")
+    write_runs(tmp_path / "runs", RECORDS[:2])
+    out = run_table(tmp_path, "--no-plots")
+    err = capsys.readouterr().err
+    assert "no published numbers found" in err and len(err.strip().splitlines()) == 1
+    md = (out / "accuracy.md").read_text()
+    assert "Tay et al. 2021" not in md and "| full | this suite" in md
+
+
+def test_unreadable_record_is_skipped_with_a_note(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    write_runs(tmp_path / "runs", RECORDS[:1])
+    (tmp_path / "runs" / "broken").mkdir()
+    (tmp_path / "runs" / "broken" / "record.json").write_text("{\"schema\": 1}")
+    out = run_table(tmp_path, "--no-plots")
+    err = capsys.readouterr().err
+    assert "skipped" in err and "broken" in err and "record is missing" in err
+    assert "| full | this suite" in (out / "accuracy.md").read_text()

@@ -49,6 +49,8 @@ class TrainConfig:
     # evaluate on the validation split every eval_every steps, on eval_batches batches (0 = all)
     eval_every: int = 50
     eval_batches: int = 0
+    # the final test on the best checkpoint covers test_batches batches (0 = the whole test split)
+    test_batches: int = 0
     grad_clip: float = 1.0
     # write a per-step line to the run's metrics.jsonl every log_every steps
     log_every: int = 10
@@ -193,8 +195,15 @@ def resolve(task: str, attn: str, preset: str = "paper", sets: Optional[List[str
     preset_file = CONFIG_DIR / "presets" / f"{preset}.yaml"
     if not preset_file.exists():
         raise UserError(f"unknown preset {preset!r}; valid: {', '.join(list_presets())}")
-    _apply_file(cfg, read_yaml(preset_file), str(preset_file))
+    preset_values = read_yaml(preset_file)
     task_presets = task_values.get("presets", {}) or {}
+    if preset_values.pop("tasks_required", False) and preset not in task_presets:
+        has = sorted(n.stem for n in (CONFIG_DIR / "tasks").glob("*.yaml") if preset in (read_yaml(n).get("presets") or {}))
+        raise UserError(
+            f"preset {preset!r} has no values for task {task!r} (none measured yet); "
+            f"it exists for: {', '.join(has) or 'no task'}; use --preset paper or smoke"
+        )
+    _apply_file(cfg, preset_values, str(preset_file))
     _apply_file(cfg, task_presets.get(preset, {}) or {}, f"{task_file} presets.{preset}")
 
     for item in sets or []:

@@ -13,6 +13,7 @@ Schema (version 1). Keys are stable; later versions only add keys.
     val_acc         best validation accuracy (fraction, 0-1)
     test_acc        test accuracy of the best-validation checkpoint (fraction)
     majority_acc    accuracy of always predicting the test split's most common label (fraction)
+    test_examples   test examples evaluated (the whole split unless train.test_batches limits it)
     final_train_loss  mean training loss over the last logging window
     train_time_s    wall-clock seconds of training steps (evaluation excluded), summed over resumes
     eval_time_s     wall-clock seconds spent evaluating
@@ -42,7 +43,7 @@ import torch
 SCHEMA_VERSION = 1
 RECORD_KEYS = (
     "schema", "status", "run_name", "task", "attn", "preset", "seed", "config", "attn_budget", "steps",
-    "best_step", "val_acc", "test_acc", "majority_acc", "final_train_loss", "train_time_s", "eval_time_s",
+    "best_step", "val_acc", "test_acc", "majority_acc", "test_examples", "final_train_loss", "train_time_s", "eval_time_s",
     "tokens_per_s", "peak_memory_mb", "memory_kind", "params", "device", "device_name", "world_size",
     "precision", "torch", "python", "git_commit", "hostname", "started_at", "finished_at", "message",
 )

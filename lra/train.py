@@ -264,16 +264,18 @@ def train(cfg: RunConfig, resume: bool = False, quiet: bool = False) -> Dict[str
         state["last_loss"] = sum(losses) / len(losses)
     if status == "completed" and state["best_model"] is not None:
         model.load_state_dict(state["best_model"])
-        test_acc, _ = evaluate(net, test_split, tc.batch_size, 0, device, d, bf16)
+        test_acc, _ = evaluate(net, test_split, tc.batch_size, tc.test_batches, device, d, bf16)
     else:
         test_acc = float("nan")
     mem, mem_kind = peak_memory_mb(device)
-    counts = np.bincount(np.asarray(test_split.labels), minlength=spec.num_classes)
+    n_test = len(test_split) if not tc.test_batches else min(len(test_split), tc.test_batches * tc.batch_size)
+    counts = np.bincount(np.asarray(test_split.labels[:n_test]), minlength=spec.num_classes)
     record = {
         "schema": SCHEMA_VERSION, "status": status, "run_name": run_dir.name, "task": cfg.task, "attn": cfg.attn,
         "preset": cfg.preset, "seed": cfg.seed, "config": cfg.to_dict(), "attn_budget": budget, "steps": state["step"],
         "best_step": state["best_step"], "val_acc": state["best_acc"] if state["best_acc"] >= 0 else None,
         "test_acc": None if math.isnan(test_acc) else test_acc, "majority_acc": float(counts.max() / counts.sum()),
+        "test_examples": n_test,
         "final_train_loss": None if math.isnan(state["last_loss"]) else state["last_loss"],
         "train_time_s": round(state["train_time"], 3), "eval_time_s": round(state["eval_time"], 3),
         "tokens_per_s": state["tokens"] / state["train_time"] if state["train_time"] else None,

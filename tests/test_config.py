@@ -93,7 +93,11 @@ def test_shipped_configs_resolve_for_every_task_and_backend() -> None:
     for task in list_tasks():
         for attn in list_attentions():
             for preset in config.list_presets():
-                config.resolve(task, attn, preset)
+                try:
+                    config.resolve(task, attn, preset)
+                except UserError as err:
+                    # only a per-task preset that this task lacks may refuse
+                    assert f"preset {preset!r} has no values for task {task!r}" in str(err)
 
 
 def test_exponent_without_a_dot_is_a_number(configs: Path) -> None:
@@ -101,3 +105,11 @@ def test_exponent_without_a_dot_is_a_number(configs: Path) -> None:
     assert config.resolve("listops", "full", "paper", ["train.lr=3e-4"]).train.lr == 3e-4
     (configs / "presets" / "exp.yaml").write_text("train: {lr: 2e-3}\n")
     assert config.resolve("listops", "full", "exp").train.lr == 2e-3
+
+
+def test_a_per_task_preset_refuses_a_task_without_values(configs: Path) -> None:
+    (configs / "presets" / "cpu.yaml").write_text("tasks_required: true\ntrain: {steps: 2}\n")
+    (configs / "tasks" / "listops.yaml").write_text("presets:\n  cpu: {train: {steps: 9}}\n")
+    assert config.resolve("listops", "full", "cpu").train.steps == 9
+    with pytest.raises(UserError, match=r"preset 'cpu' has no values for task 'text'.*exists for: listops"):
+        config.resolve("text", "full", "cpu")

@@ -1,0 +1,192 @@
+"""MiTA (Wen et al. 2026, Mixture-of-Top-k Attention: Efficient Attention via Scalable Fast Weights).
+
+The queries are average-pooled into m landmarks. Landmark j builds routed expert j from the k keys
+it scores highest; a shared expert compresses all values onto the landmarks (softmax(L K^T) V).
+Each query goes to the expert of its best landmark and takes one softmax over the m landmark
+logits (scaled by 1/D, as in the authors' code) and its expert's k key logits (scaled by 1/sqrt(D)).
+At the defaults (m = 64, k = 64) one query attends to m + k = 128 keys. Cost O((m + k) N D) time
+and O((m + k) N) memory: building the experts is O(m N D), each query then costs O((m + k) D).
+
+experts_per_query = E > 1 follows the authors' variant: each query goes to its E best landmarks
+(top-E of q . L_j) and each expert keeps k // E keys, all in one softmax with the m landmark logits;
+a key in two of a query's experts counts twice. shared_expert = False drops the landmark logits.
+The fast path groups queries by expert (attentions/grouped.py); ``reference`` is the plain form.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
+from .grouped import grouped_attention, merge
+from .masking import pool_real
+from .registry import register
+
+# routing scores [B, H, chunk, m] computed at once, in elements (bounds memory, not results)
+ROUTE_ELEMENTS = 1 << 22
+
+
+@dataclass
+class MiTAConfig:
+    # m: landmarks, i.e. routed experts (and the shared expert's compressed keys)
+    landmarks: int = 64
+    # k: keys per routed expert (split evenly over a query's experts when experts_per_query > 1)
+    topk: int = 64
+    # add the landmark-compressed shared expert to every query's softmax
+    shared_expert: bool = True
+    # E: routed experts per query; each keeps topk // E keys
+    experts_per_query: int = 1
+
+
+def _real_keys(mask: Optional[torch.Tensor], q: torch.Tensor) -> torch.Tensor:
+    """[B, N] bool, True = real key."""
+    if mask is None:
+        return torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device)
+    return mask
+
+
+def reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    landmarks: int = 64,
+    topk: int = 64,
+    shared_expert: bool = True,
+    experts_per_query: int = 1,
+) -> torch.Tensor:
+    """MiTA in five plain steps, every query gathering its own copy of its experts. [B, H, N, D]."""
+    b, h, n, d = q.shape
+    real_keys = _real_keys(mask, q)[:, None, None, :]  # [B, 1, 1, N]
+    keys = min(topk // experts_per_query, n)
+    # 1. landmarks: q pooled over each sequence's real tokens
+    marks, real_marks = pool_real(q, mask, landmarks)  # [B, H, m, D], [B, m]
+    # 2. routed experts: the top keys of each landmark (padded keys never chosen)
+    scores = ((marks / math.sqrt(d)) @ k.transpose(-1, -2)).masked_fill(~real_keys, float("-inf"))  # [B, H, m, N]
+    top, index = scores.topk(keys, dim=-1)  # [B, H, m, keys]
+    # 3. shared expert: every landmark's softmax summary of the values
+    shared_values = scores.softmax(dim=-1) @ v  # [B, H, m, D]
+    # 4. routing: each query to its E best real landmarks
+    gate = (q @ marks.transpose(-1, -2)).masked_fill(~real_marks[:, None, None, :], float("-inf"))
+    choice = gate.topk(experts_per_query, dim=-1).indices  # [B, H, N, E]
+    # 5. one softmax over the landmark logits and the chosen experts' key logits
+    flat = choice.flatten(2)[..., None].expand(-1, -1, -1, keys)  # [B, H, N*E, keys]
+    key_index = index.gather(2, flat).view(b, h, n, -1)  # [B, H, N, E*keys]
+    key_ok = torch.isfinite(top).gather(2, flat).view(b, h, n, experts_per_query, keys)
+    key_ok = key_ok & torch.isfinite(gate.gather(-1, choice))[..., None]
+    picked = key_index.flatten(2)[..., None].expand(-1, -1, -1, d)  # [B, H, N*E*keys, D]
+    expert_k = k.gather(2, picked).view(b, h, n, -1, d)  # [B, H, N, E*keys, D]
+    expert_v = v.gather(2, picked).view(b, h, n, -1, d)
+    routed = (q[..., None, :] * expert_k).sum(-1) / math.sqrt(d)  # [B, H, N, E*keys]
+    routed = routed.masked_fill(~key_ok.flatten(-2), float("-inf"))
+    if not shared_expert:
+        return (routed.softmax(dim=-1)[..., None] * expert_v).sum(-2)
+    weights = torch.cat([gate / d, routed], dim=-1).softmax(dim=-1)  # [B, H, N, m + E*keys]
+    return weights[..., :landmarks] @ shared_values + (weights[..., landmarks:, None] * expert_v).sum(-2)
+
+
+def build_experts(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], landmarks: int, keys: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 1-3: landmarks [B, H, m, D], real landmarks [B, m], each landmark's key index
+    [B, H, m, keys] and which of those are real keys [B, H, m, keys], shared values [B, H, m, D]."""
+    marks, real_marks = pool_real(q, mask, landmarks)
+    scores = (marks / math.sqrt(q.shape[-1])) @ k.transpose(-1, -2)  # [B, H, m, N]
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    top, index = scores.detach().topk(keys, dim=-1, sorted=False)  # [B, H, m, keys]
+    shared_values = scores.softmax(dim=-1) @ v  # [B, H, m, D]
+    return marks, real_marks, index, torch.isfinite(top), shared_values
+
+
+def route(q: torch.Tensor, marks: torch.Tensor, real_marks: torch.Tensor, per_query: int) -> torch.Tensor:
+    """Step 4: each query's E best real landmarks, as expert numbers over (batch, head, landmark).
+
+    q: [B, H, N, D], marks: [B, H, m, D], real_marks: [B*H, m] -> [B*H, N, E]; a choice that falls
+    on a missing landmark (a sequence shorter than E) becomes B*H*m, meaning no expert.
+    """
+    b, h, n, _ = q.shape
+    m = marks.shape[2]
+    missing = torch.zeros(real_marks.shape, dtype=q.dtype, device=q.device).masked_fill(~real_marks, float("-inf"))
+    parts = []
+    with torch.no_grad():
+        # a chunk of queries at a time: the [B, H, chunk, m] scores stay small
+        for part in q.split(max(1, ROUTE_ELEMENTS // (b * h * m)), dim=2):
+            gate = part @ marks.transpose(-1, -2) + missing.view(b, h, 1, m)  # [B, H, chunk, m]
+            parts.append(gate.topk(per_query, dim=-1).indices)
+    choice = torch.cat(parts, dim=2).view(b * h, n, per_query)
+    expert = choice + torch.arange(b * h, device=q.device)[:, None, None] * m
+    real = real_marks.gather(1, choice.flatten(1)).view_as(choice)
+    return torch.where(real, expert, b * h * m)
+
+
+@register("mita")
+class MiTAAttention(Attention):
+    paper = "Wen et al. 2026, Mixture-of-Top-k Attention: Efficient Attention via Scalable Fast Weights"
+    Config = MiTAConfig
+    cost = "O((m + k) N D)"
+    taxonomy = Taxonomy(
+        scaling="both",
+        expert_count="m routed + 1 shared",
+        expert_type="routed: top-k raw KV; shared: landmark-compressed KV",
+        construction="top-k keys per landmark query (content-based, reusable)",
+        routing="per-query argmax over landmarks (1 expert)",
+    )
+
+    def __init__(self, dims: AttnDims, cfg: MiTAConfig) -> None:
+        super().__init__(dims, cfg)
+        for name in ("landmarks", "topk", "experts_per_query"):
+            if getattr(cfg, name) < 1:
+                raise AttentionError(f"mita {name} must be a positive integer, got {getattr(cfg, name)}")
+        if cfg.experts_per_query > cfg.landmarks or cfg.topk < cfg.experts_per_query:
+            raise AttentionError(
+                f"mita experts_per_query={cfg.experts_per_query} must be at most landmarks={cfg.landmarks} "
+                f"and at most topk={cfg.topk} (each expert keeps topk // experts_per_query keys)"
+            )
+
+    def budget(self) -> str:
+        cfg = self.cfg
+        routed = cfg.experts_per_query * (cfg.topk // cfg.experts_per_query)
+        if not cfg.shared_expert:
+            return f"k = {routed}"
+        return f"m + k = {cfg.landmarks + routed}"
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        check_inputs(q, k, v, mask)
+        cfg = self.cfg
+        b, h, n, d = q.shape
+        m, per_query = cfg.landmarks, cfg.experts_per_query
+        keys = min(cfg.topk // per_query, n)
+        marks, real_marks, index, key_ok, shared_values = build_experts(q, k, v, mask, m, keys)
+        real_marks = real_marks.repeat_interleave(h, dim=0)  # [B*H, m]
+        expert = route(q, marks, real_marks, per_query)  # [B*H, N, E]
+        # step 5: routed experts [B*H*m, keys, D] gathered once; queries grouped by expert
+        heads = torch.arange(b * h, device=q.device)[:, None]
+        rows = (index.view(b * h, m * keys) + heads * n).view(b * h * m, keys)
+        expert_k = k.reshape(b * h * n, d)[rows]
+        expert_v = v.reshape(b * h * n, d)[rows]
+        expert_ok = None if bool(key_ok.all()) else key_ok.view(b * h * m, keys)
+        shared = None
+        if cfg.shared_expert:
+            # the m landmarks join the keys of a query's first expert, pre-scaled so q . L gets 1/D
+            ok = None if bool(real_marks.all()) else real_marks
+            shared = (marks.reshape(b * h, m, d) / math.sqrt(d), shared_values.reshape(b * h, m, d), ok, m)
+        q_rows = q.reshape(b * h * n, d)
+        scale = 1 / math.sqrt(d)
+        first = expert[..., 0].flatten()
+        out, lse = grouped_attention(q_rows, first, expert_k, expert_v, expert_ok, scale, per_query > 1, shared)
+        if per_query == 1:
+            return out.view(b, h, n, d)
+        # further experts hold routed keys only; one softmax across all of a query's experts
+        q_rest, rest_expert = q_rows.repeat_interleave(per_query - 1, dim=0), expert[..., 1:].flatten()
+        rest, rest_lse = grouped_attention(q_rest, rest_expert, expert_k, expert_v, expert_ok, scale, True)
+        out = merge(
+            torch.cat([out[:, None], rest.view(-1, per_query - 1, d)], dim=1),
+            torch.cat([lse[:, None], rest_lse.view(-1, per_query - 1)], dim=1),
+        )
+        return out.view(b, h, n, d)

@@ -1,0 +1,159 @@
+"""MoBA (Lu et al. 2025, MoBA: Mixture of Block Attention for Long-Context LLMs), bidirectional form.
+
+The sequence is cut into blocks of block_size tokens from token 0. Each query scores every block
+by the dot product with the block's mean real key and attends, under one softmax, to the keys of
+its topk best blocks. As in MoonshotAI/MoBA, a query's own block is forced in (its gate is +inf)
+and takes one of the topk slots, so the defaults (block_size = 64, topk = 2) give each query its
+own block plus one chosen block: 2 x 64 = 128 keys. Cost: O(N^2 D / block_size) for the gate plus
+O(N topk block_size D) for the attention; memory linear in N (queries are gated in chunks, and
+no N x N matrix is built).
+The fast path groups (query, block) pairs by block (attentions/grouped.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
+from .grouped import grouped_attention, merge
+from .registry import register
+
+# block scores [B, H, chunk, N / block_size] computed at once, in elements (bounds memory, not results)
+GATE_ELEMENTS = 1 << 22
+
+
+@dataclass
+class MoBAConfig:
+    # tokens per block, blocks fixed in position from token 0 (the last one may be shorter)
+    block_size: int = 64
+    # blocks per query, the own block included when include_own_block
+    topk: int = 2
+    # always attend to the query's own block (it takes one of the topk slots)
+    include_own_block: bool = True
+
+
+def _real_keys(mask: Optional[torch.Tensor], q: torch.Tensor) -> torch.Tensor:
+    """[B, N] bool, True = real key."""
+    if mask is None:
+        return torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device)
+    return mask
+
+
+def choose_blocks(
+    q: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor], block_size: int, topk: int, include_own: bool
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each query's chosen blocks [B, H, N, topk'] and whether each slot holds a real block.
+
+    topk' = min(topk, blocks); a slot is empty when the sequence has fewer non-empty blocks.
+    """
+    b, h, n, d = q.shape
+    blocks = math.ceil(n / block_size)
+    pad = blocks * block_size - n
+    real = F.pad(_real_keys(mask, q), (0, pad)).to(k.dtype).view(b, 1, blocks, block_size)
+    chosen, chosen_ok = [], []
+    with torch.no_grad():
+        sums = (F.pad(k, (0, 0, 0, pad)).view(b, h, blocks, block_size, d) * real[..., None]).sum(-2)
+        counts = real.sum(-1)  # [B, 1, blocks]
+        means = sums / counts.clamp(min=1)[..., None]  # [B, H, blocks, D]: mean over real keys
+        # a chunk of queries at a time: the [B, H, chunk, blocks] gate stays small
+        chunk = max(1, GATE_ELEMENTS // (b * h * blocks))
+        for start in range(0, n, chunk):
+            gate = q[:, :, start : start + chunk] @ means.transpose(-1, -2)  # [B, H, chunk, blocks]
+            if include_own:
+                own = torch.arange(start, start + gate.shape[2], device=q.device) // block_size
+                gate = gate.scatter(-1, own.expand(b, h, -1)[..., None], float("inf"))
+            # an all-padding block is never chosen, not even as a padded query's own block
+            gate = gate.masked_fill(counts[:, :, None, :] == 0, float("-inf"))
+            top, index = gate.topk(min(topk, blocks), dim=-1, sorted=False)  # [B, H, chunk, topk']
+            chosen.append(index)
+            chosen_ok.append(top > float("-inf"))
+    return torch.cat(chosen, dim=2), torch.cat(chosen_ok, dim=2)
+
+
+def reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    block_size: int = 64,
+    topk: int = 2,
+    include_own_block: bool = True,
+) -> torch.Tensor:
+    """MoBA on the full [N, N] score matrix, keys outside the chosen blocks masked out."""
+    b, h, n, d = q.shape
+    real_keys = _real_keys(mask, q)  # [B, N]
+    blocks = math.ceil(n / block_size)
+    gate = q.new_empty(b, h, n, blocks)  # [B, H, N, blocks]
+    for j in range(blocks):
+        span = slice(j * block_size, (j + 1) * block_size)
+        real = real_keys[:, None, span, None].to(k.dtype)  # [B, 1, size, 1]
+        mean = (k[:, :, span] * real).sum(-2) / real.sum(-2).clamp(min=1)  # [B, H, D]
+        gate[..., j] = (q * mean[:, :, None, :]).sum(-1).detach()
+        if include_own_block:
+            gate[:, :, span, j] = float("inf")
+        gate[~real_keys[:, span].any(-1), :, :, j] = float("-inf")
+    top, chosen = gate.topk(min(topk, blocks), dim=-1)  # [B, H, N, topk']
+    picked = torch.zeros_like(gate, dtype=torch.bool).scatter(-1, chosen, top > float("-inf"))
+    block_of_key = torch.arange(n, device=q.device) // block_size
+    allowed = picked[..., block_of_key] & real_keys[:, None, None, :]  # [B, H, N, N]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+    return scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1) @ v
+
+
+@register("moba")
+class MoBAAttention(Attention):
+    paper = "Lu et al. 2025, MoBA: Mixture of Block Attention for Long-Context LLMs"
+    Config = MoBAConfig
+    cost = "O(N^2 D / block_size + N topk block_size D)"
+    taxonomy = Taxonomy(
+        scaling="routing",
+        expert_count="N/B blocks",
+        expert_type="raw KV (contiguous block)",
+        construction="fixed blocks",
+        routing="per-query top-k over block mean keys",
+    )
+
+    def __init__(self, dims: AttnDims, cfg: MoBAConfig) -> None:
+        super().__init__(dims, cfg)
+        for name in ("block_size", "topk"):
+            if getattr(cfg, name) < 1:
+                raise AttentionError(f"moba {name} must be a positive integer, got {getattr(cfg, name)}")
+
+    def budget(self) -> str:
+        return f"topk x block_size = {self.cfg.topk * self.cfg.block_size}"
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        check_inputs(q, k, v, mask)
+        cfg = self.cfg
+        b, h, n, d = q.shape
+        size = cfg.block_size
+        blocks = math.ceil(n / size)
+        pad = blocks * size - n
+        chosen, chosen_ok = choose_blocks(q, k, mask, size, cfg.topk, cfg.include_own_block)
+        per_query = chosen.shape[-1]
+        # blocks numbered over (batch, head, block); an empty slot goes to no block (number B*H*blocks)
+        heads = torch.arange(b * h, device=q.device)[:, None, None]
+        expert = heads * blocks + chosen.view(b * h, n, per_query)  # [B*H, N, topk']
+        expert = torch.where(chosen_ok.view(b * h, n, per_query), expert, b * h * blocks)
+        block_k = F.pad(k, (0, 0, 0, pad)).view(b * h * blocks, size, d)
+        block_v = F.pad(v, (0, 0, 0, pad)).view(b * h * blocks, size, d)
+        real = F.pad(_real_keys(mask, q), (0, pad)).view(b, 1, blocks, size).expand(b, h, blocks, size)
+        block_ok = real.reshape(b * h * blocks, size)
+        out, lse = grouped_attention(
+            q.reshape(b * h * n, d).repeat_interleave(per_query, dim=0),
+            expert.flatten(),
+            block_k,
+            block_v,
+            None if bool(block_ok.all()) else block_ok,
+            1 / math.sqrt(d),
+            per_query > 1,
+        )
+        if per_query > 1:
+            out = merge(out.view(-1, per_query, d), lse.view(-1, per_query))
+        return out.view(b, h, n, d)

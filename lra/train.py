@@ -15,8 +15,7 @@ import resource
 import signal
 import time
 from functools import lru_cache
-from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 import numpy as np
 import torch

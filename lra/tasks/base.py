@@ -18,7 +18,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ClassVar, Dict, List, Optional, Sequence, Type
+from typing import Callable, ClassVar, Dict, List, Sequence, Type
 
 import numpy as np
 
@@ -49,6 +49,17 @@ class Split:
 
     def __len__(self) -> int:
         return len(self.labels)
+
+
+@dataclass
+class Source:
+    """Where a file-based task found its data."""
+
+    # e.g. "folder" (an extracted release) or "archive" (the downloaded .tar.gz)
+    kind: str
+    path: Path
+    # the files whose size and mtime key the cache
+    files: List[Path]
 
 
 @dataclass

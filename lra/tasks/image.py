@@ -12,14 +12,13 @@ from __future__ import annotations
 import io
 import pickle
 import tarfile
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import IO, Dict, List, Optional, Tuple
+from typing import IO, Dict, Optional, Tuple
 
 import numpy as np
 
 from ..errors import UserError
-from .base import DataConfigLike, DataStatus, Split, Task, TaskSpec, cache_key, cached_splits, register_task
+from .base import DataConfigLike, DataStatus, Source, Split, Task, TaskSpec, cache_key, cached_splits, register_task
 from .hub import cache_ready, cached_sizes, load_hub, offline_reason
 
 FOLDER = "cifar-10-batches-py"
@@ -105,15 +104,6 @@ def read_batch(f: IO[bytes], where: str) -> Tuple[np.ndarray, np.ndarray]:
     if len(labels) and (labels.min() < 0 or labels.max() > 9):
         raise UserError(f"image: {where} has labels outside 0-9 (found {labels.min()} to {labels.max()})")
     return pixels, labels
-
-
-@dataclass
-class Source:
-    # "folder" (cifar-10-batches-py/) or "archive" (cifar-10-python.tar.gz)
-    kind: str
-    path: Path
-    # the files whose size and mtime key the cache
-    files: List[Path]
 
 
 def find_source(data_dir: str) -> Optional[Source]:

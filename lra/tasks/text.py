@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import re
 import tarfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..errors import UserError
-from .base import DataConfigLike, DataStatus, Split, Task, TaskSpec, cache_key, cached_splits, register_task
+from .base import DataConfigLike, DataStatus, Source, Split, Task, TaskSpec, cache_key, cached_splits, register_task
 from .bytes import BYTE_VOCAB, byte_rows, check_length
 from .hub import cache_ready, cached_sizes, load_hub, offline_reason
 
@@ -36,15 +35,6 @@ _MEMBER = re.compile(r"^(?:\./)?aclImdb/(train|test)/(pos|neg)/([^/]+\.txt)$")
 
 # "train" / "test" -> (review bytes, labels)
 Reviews = Dict[str, Tuple[List[bytes], List[int]]]
-
-
-@dataclass
-class Source:
-    # "folder" (aclImdb/) or "archive" (aclImdb_v1.tar.gz)
-    kind: str
-    path: Path
-    # the files whose size and mtime key the cache
-    files: List[Path]
 
 
 def find_source(data_dir: str) -> Optional[Source]:

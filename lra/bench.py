@@ -1,0 +1,211 @@
+"""lra-bench: throughput of the attention backends from 1K to 1M tokens, on the CPU or one GPU.
+
+    lra-bench attention --attn full,mita --lengths 16k,64k        # one attention call [B, H, N, D]
+    lra-bench model --lengths 64k,256k,1m                         # the MiTA paper's speed setup
+    lra-bench report results/throughput/NAME/record.json          # table and plot again
+
+Every point runs in its own process (lra/bench_point.py) under a time budget and, on the CPU, a
+memory cap; points that run out of memory or time are recorded as ``oom`` / ``timeout``. Full and
+top-k attention too slow to run whole are estimated from a slice of the queries (marked ``~``).
+The sweep writes record.json, table.md and throughput.png to --out (see lra/bench_sweep.py,
+lra/bench_report.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+import yaml
+
+from attentions import build_attention, list_attentions
+
+from .bench_env import meminfo_gb
+from .bench_flops import efficiency
+from .bench_report import markdown, plot, slopes
+from .bench_sweep import Settings, sweep
+from .cli import Parser
+from .errors import UserError
+
+LENGTH = re.compile(r"^(\d+)([km]?)$")
+DEFAULT_LENGTHS = {"attention": "1k,4k,16k,64k,256k,1m", "model": "64k,256k,1m"}
+
+
+def parse_length(text: str) -> int:
+    """'4096', '4k' (4 x 1024) or '1m' (1024 x 1024) -> tokens."""
+    match = LENGTH.match(text.strip().lower())
+    if match is None or int(match.group(1)) == 0:
+        raise UserError(f"--lengths: {text!r} is not a length; use positive numbers with an optional k or m "
+                        "suffix (k = 1024), e.g. 1k,4k,16k,64k,256k,1m")
+    return int(match.group(1)) * {"": 1, "k": 2**10, "m": 2**20}[match.group(2)]
+
+
+def parse_lengths(text: str) -> List[int]:
+    parts = [part for part in text.split(",") if part.strip()]
+    if not parts:
+        raise UserError("--lengths needs at least one length, e.g. 1k,4k,16k,64k,256k,1m")
+    return sorted({parse_length(part) for part in parts})
+
+
+def parse_backends(text: Optional[str]) -> List[str]:
+    known = list_attentions()
+    if text is None:
+        return known
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    for name in names:
+        if name not in known:
+            raise UserError(f"--attn: unknown attention {name!r}; known: {', '.join(known)}")
+    if not names:
+        raise UserError(f"--attn needs at least one backend; known: {', '.join(known)}")
+    return list(dict.fromkeys(names))
+
+
+def parse_attn_opts(items: List[str], backends: List[str]) -> Dict[str, Dict[str, Any]]:
+    """['mita.topk=32', ...] -> {'mita': {'topk': 32}}, values read as YAML."""
+    options: Dict[str, Dict[str, Any]] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        backend, dot, name = key.partition(".")
+        if not sep or not dot or not name:
+            raise UserError(f"--attn-opt {item!r} must look like backend.key=value, e.g. mita.topk=32")
+        if backend not in backends:
+            raise UserError(f"--attn-opt {item!r}: {backend!r} is not among the benchmarked backends ({', '.join(backends)})")
+        options.setdefault(backend, {})[name] = yaml.safe_load(raw)
+    return options
+
+
+def parser() -> Parser:
+    p = Parser(prog="lra-bench", description="Measure attention throughput from 1K to 1M tokens, every point in its own process.")
+    sub = p.add_subparsers(dest="level", required=True, parser_class=Parser)
+    attention = sub.add_parser("attention", help="one attention call on [B, H, N, D]: forward, forward + backward")
+    model = sub.add_parser("model", help="3-layer encoder of width 128: inference step, training step, batch searched")
+    for level, q in (("attention", attention), ("model", model)):
+        q.add_argument("--attn", help=f"backends, comma-separated (default: all registered: {', '.join(list_attentions())})")
+        q.add_argument("--lengths", default=DEFAULT_LENGTHS[level], help=f"k = 1024, m = 1024^2 (default {DEFAULT_LENGTHS[level]})")
+        q.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+        q.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="default: cuda if present")
+        q.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"), help="default: bf16 on CUDA, fp32 on the CPU")
+        q.add_argument("--budget-s", type=float, default=600.0, help="seconds a point may take (default 600)")
+        q.add_argument("--max-mem-gb", type=float, help="memory a point may add, GiB (default on the CPU: 80%% of available; 0 = no cap)")
+        q.add_argument("--warmup", type=int, default=1, help="warm-up runs of each mode (default 1)")
+        q.add_argument("--repeats", type=int, default=5, help="timed runs of each mode, fewer if the budget is short (default 5)")
+        q.add_argument("--estimate", default="auto", choices=("auto", "always", "never"),
+                       help="full/topk from a slice of queries: when a whole run would overrun the budget (auto)")
+        q.add_argument("--slice-queries", type=int, default=1024, help="queries in an estimate's slice (default 1024)")
+        q.add_argument("--attn-opt", action="append", default=[], metavar="BACKEND.KEY=VALUE", help="e.g. mita.topk=32 (may repeat)")
+        q.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+        q.add_argument("--gemm-size", type=int, default=4096, help="side of the GEMM that gives the machine's matmul rate (0 = skip)")
+        q.add_argument("--seed", type=int, default=0)
+        q.add_argument("--out", help="output folder (default results/throughput/<level>-<device>-<time>)")
+        q.add_argument("--quiet", action="store_true", help="no progress bar")
+        q.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    report = sub.add_parser("report", help="rewrite a sweep's table.md and throughput.png from its record.json")
+    report.add_argument("record", help="a record.json written by lra-bench")
+    report.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    attention.add_argument("--batch", type=int, default=1, help="batch B (default 1)")
+    attention.add_argument("--head-dim", type=int, default=32, help="head dim D (default 32)")
+    model.add_argument("--batch", type=int, help="fixed batch (default: searched per point, doubling from 1)")
+    model.add_argument("--max-batch", type=int, default=64, help="largest batch the search tries (default 64)")
+    model.add_argument("--min-gain", type=float, default=0.05, help="stop doubling below this throughput gain (default 0.05)")
+    model.add_argument("--layers", type=int, default=3, help="encoder layers (default 3)")
+    model.add_argument("--width", type=int, default=128, help="model width C (default 128)")
+    model.add_argument("--ffn-dim", type=int, default=256, help="FFN hidden width (default 256)")
+    model.add_argument("--dropout", type=float, default=0.0, help="dropout in the training step (default 0)")
+    return p
+
+
+def check_positive(args: argparse.Namespace, names: List[str]) -> None:
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    check_positive(args, ["heads", "repeats", "slice_queries", "batch", "head_dim", "max_batch", "layers", "width", "ffn_dim"])
+    if args.budget_s <= 0 or min(args.warmup, args.threads, args.gemm_size, args.max_mem_gb or 0) < 0:
+        raise UserError("--budget-s must be positive; --warmup, --threads, --gemm-size and --max-mem-gb 0 or more")
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is visible; use --device cpu")
+    dtype = {"fp32": "float32", "bf16": "bfloat16", "auto": "bfloat16" if device == "cuda" else "float32"}[args.dtype]
+    level = args.level
+    width = getattr(args, "width", 128)
+    if level == "model" and width % args.heads:
+        raise UserError(f"--width ({width}) must be divisible by --heads ({args.heads})")
+    head_dim = args.head_dim if level == "attention" else width // args.heads
+    backends = parse_backends(args.attn)
+    options = parse_attn_opts(args.attn_opt, backends)
+    for backend in backends:
+        # unknown or invalid options fail here, in one line, before any point runs
+        build_attention(backend, num_heads=args.heads, head_dim=head_dim, max_len=64, **options.get(backend, {}))
+    max_mem = args.max_mem_gb
+    if max_mem is None and device == "cpu":
+        max_mem = round(0.8 * (meminfo_gb("MemAvailable") or 8.0), 1)
+    return Settings(
+        level=level, backends=backends, lengths=parse_lengths(args.lengths), device=device, dtype=dtype,
+        batch=args.batch, heads=args.heads, head_dim=head_dim, layers=getattr(args, "layers", 3), width=width,
+        ffn_dim=getattr(args, "ffn_dim", 256), dropout=getattr(args, "dropout", 0.0), budget_s=args.budget_s,
+        max_mem_gb=max_mem or None, warmup=args.warmup, repeats=args.repeats, estimate=args.estimate,
+        slice_queries=args.slice_queries, threads=args.threads, gemm_size=args.gemm_size,
+        max_batch=getattr(args, "max_batch", 1), min_gain=getattr(args, "min_gain", 0.0), seed=args.seed,
+        attn_options=options,
+    )
+
+
+def write(record: Dict[str, Any], out: Path, with_plot: bool) -> Dict[str, Path]:
+    """record.json, table.md and throughput.png in ``out``."""
+    paths = {"record": out / "record.json", "table": out / "table.md"}
+    paths["record"].write_text(json.dumps(record, indent=1) + "\n")
+    paths["table"].write_text(markdown(record) + "\n")
+    if with_plot:
+        paths["plot"] = out / "throughput.png"
+        plot(record, paths["plot"])
+    return paths
+
+
+def rewrite(path: str, with_plot: bool) -> int:
+    """Tables and plot again from a record (after a change of the report, or of a record by hand)."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"{path}: cannot read a lra-bench record ({err})")
+    if record.get("kind") != "lra-bench":
+        raise UserError(f"{path} is not a lra-bench record (no \"kind\": \"lra-bench\")")
+    record["slopes"] = slopes(record)
+    record["efficiency"] = efficiency(record)
+    paths = write(record, Path(path).parent, with_plot)
+    print(" ".join(f"{name}: {path}" for name, path in paths.items()))
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    if args.level == "report":
+        return rewrite(args.record, not args.no_plot)
+    settings = settings_from(args)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or f"results/throughput/{settings.level}-{settings.device}-{stamp}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"--out {out}: cannot create the folder ({err.strerror})")
+    partial = out / "record.json"
+
+    def save_partial(record: Dict[str, Any]) -> None:
+        partial.write_text(json.dumps({**record, "complete": False}, indent=1) + "\n")
+
+    record = sweep(settings, quiet=args.quiet, on_point=save_partial)
+    record["command"] = "lra-bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    record["complete"] = True
+    record["slopes"] = slopes(record)
+    record["efficiency"] = efficiency(record)
+    paths = write(record, out, not args.no_plot)
+    print(markdown(record))
+    print(" ".join(f"{name}: {path}" for name, path in paths.items()))
+    return 0

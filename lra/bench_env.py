@@ -1,0 +1,84 @@
+"""What a throughput record says about the machine it was measured on: hardware, versions, load."""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .record import git_commit
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (the platform's processor string elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def meminfo_gb(field: str) -> Optional[float]:
+    """A field of /proc/meminfo (MemTotal, MemAvailable) in GiB; None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+def load_average() -> List[float]:
+    """The 1, 5 and 15 minute load averages: how busy the machine was besides the benchmark."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def hardware(device: torch.device) -> Dict[str, Any]:
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    info: Dict[str, Any] = {
+        "device": device.type,
+        "cpu_model": cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "cpu_cores_usable": usable,
+        # torch's default thread count; a sweep's --threads, when given, is what its points use
+        "torch_threads": torch.get_num_threads(),
+        "memory_gb": meminfo_gb("MemTotal"),
+        "memory_available_gb": meminfo_gb("MemAvailable"),
+        "hostname": socket.gethostname(),
+        "gpu": None,
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info["gpu"] = props.name
+        info["gpu_memory_gb"] = props.total_memory / 2**30
+    return info
+
+
+def versions() -> Dict[str, Any]:
+    try:
+        import flash_attn
+
+        flash = flash_attn.__version__
+    except ImportError:
+        flash = None
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.version.cuda,
+        "flash_attn": flash,
+        "git_commit": git_commit(),
+    }
+
+
+def describe(hw: Dict[str, Any]) -> str:
+    """One line naming the hardware, e.g. 'AMD EPYC, 2 cores' or 'NVIDIA H100 80GB HBM3'."""
+    if hw.get("gpu"):
+        return str(hw["gpu"])
+    return f"{hw['cpu_model']}, {hw['cpu_cores_usable']} cores"

@@ -1,0 +1,91 @@
+"""Estimates for benchmark points too slow to run whole (full or top-k attention at long N).
+
+In full and top-k attention every query's output depends on that query and all N keys only, so
+the cost of N queries is N / S times the cost of a slice of S queries against all N keys: time the
+slice, scale it linearly. At the model level the attention is timed that way and the rest of the
+model (embeddings, projections, FFN, optimizer) is timed for real with the attention replaced by a
+pass-through, then the two are added: rest + layers x attention. Every such point is ``estimated``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+# queries attend to all N keys independently: a slice of queries costs S / N of the whole
+SliceFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def scale_stats(stats: Dict[str, object], factor: float) -> Dict[str, object]:
+    """Timing statistics of a slice, scaled to the whole: every time multiplied by ``factor``."""
+    scaled = dict(stats)
+    for key in ("median_s", "min_s", "max_s"):
+        scaled[key] = float(stats[key]) * factor
+    scaled["times_s"] = [round(float(t) * factor, 6) for t in stats["times_s"]]
+    return scaled
+
+
+def add_stats(rest: Dict[str, object], part: Dict[str, object], times: int) -> Dict[str, object]:
+    """``rest + times x part`` for timing statistics (medians add; the spread is the larger one)."""
+    total = dict(rest)
+    for key in ("median_s", "min_s", "max_s"):
+        total[key] = float(rest[key]) + times * float(part[key])
+    total["spread"] = max(float(rest["spread"]), float(part["spread"]))
+    total["times_s"] = []
+    return total
+
+
+def full_slice(attn: nn.Module) -> SliceFn:
+    """Softmax attention of a slice of queries [B, H, S, D] over all keys [B, H, N, D].
+
+    ``attn`` is the module that runs ``full`` in the benchmark: the backend (SDPA) or the CUDA
+    flash kernel wrapper, which both accept S != N when called on their kernel directly.
+    """
+    kernel = getattr(attn, "attend", None)
+    if kernel is not None:
+        return kernel
+    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v)
+
+
+def topk_slice(attn: nn.Module) -> Optional[SliceFn]:
+    """Top-k attention of a slice of queries over all keys, chunked as the backend chunks it."""
+    try:
+        from attentions.topk import chunk_attention
+    except ImportError:
+        return None
+    cfg = attn.cfg
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys = min(cfg.topk, k.shape[2])
+        training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        outs = []
+        for start in range(0, q.shape[2], cfg.chunk_size):
+            chunk = q[:, :, start : start + cfg.chunk_size]  # [B, H, C, D]
+            if training:
+                outs.append(checkpoint(chunk_attention, chunk, k, v, None, keys, use_reentrant=False))
+            else:
+                outs.append(chunk_attention(chunk, k, v, None, keys))
+        return torch.cat(outs, dim=2)
+
+    return run
+
+
+def slice_fn(backend: str, attn: nn.Module) -> Optional[SliceFn]:
+    """The slice function of a backend whose cost is linear in the number of queries, else None."""
+    if backend == "full":
+        return full_slice(attn)
+    if backend == "topk":
+        return topk_slice(attn)
+    return None
+
+
+class PassThrough(nn.Module):
+    """Stands in for the attention when the rest of the model is timed: returns the values."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        return v

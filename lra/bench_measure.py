@@ -1,0 +1,139 @@
+"""Timing and memory inside one benchmark point's process (the child that lra.bench_point runs).
+
+Timing: CUDA events on a GPU, the wall clock (perf_counter) on the CPU; warm-up runs of every
+mode first, then as many timed repeats as the point's time budget allows (at least one of each
+mode, or the point is over budget). Memory: ``max_memory_allocated`` on a GPU; on the CPU the peak
+resident set (VmHWM) of the child minus its resident set before the point was built (the baseline:
+the interpreter and torch), both recorded.
+"""
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+
+class OverBudget(Exception):
+    """The point cannot finish its warm-up and one timed run of each mode within its budget."""
+
+
+def proc_status_mb(field: str) -> float:
+    """A memory field of /proc/self/status (VmRSS, VmHWM, VmSize) in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                # "VmRSS:     12345 kB"
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def cap_address_space(extra_gb: float) -> None:
+    """Let the process map at most ``extra_gb`` GiB more than it maps now (RLIMIT_AS).
+
+    An allocation past the cap fails with an exception in this process, so running out of memory
+    is recorded as ``oom`` instead of waking the kernel's OOM killer on a shared machine.
+    """
+    limit = int((proc_status_mb("VmSize") + extra_gb * 1024) * 2**20)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+
+
+def is_oom(err: BaseException) -> bool:
+    """Whether an exception is an allocation failure (CPU allocator, CUDA, or Python's own)."""
+    if isinstance(err, MemoryError):
+        return True
+    if torch.cuda.is_available() and isinstance(err, torch.cuda.OutOfMemoryError):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(
+        s in text for s in ("can't allocate memory", "cannot allocate memory", "out of memory", "std::bad_alloc")
+    )
+
+
+def timed(fn: Callable[[], None], device: torch.device) -> float:
+    """Seconds one call of ``fn`` takes: CUDA events on a GPU, the wall clock on the CPU."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
+    begin = time.perf_counter()
+    fn()
+    return time.perf_counter() - begin
+
+
+def summarize(times: List[float]) -> Dict[str, object]:
+    """Median and spread of repeated timings, in seconds."""
+    median = statistics.median(times)
+    return {
+        "median_s": median,
+        "min_s": min(times),
+        "max_s": max(times),
+        # (max - min) / median: 0.05 means the repeats agree within 5 %
+        "spread": (max(times) - min(times)) / median if median > 0 else 0.0,
+        "repeats": len(times),
+        "times_s": [round(t, 6) for t in times],
+    }
+
+
+def measure(
+    modes: Dict[str, Callable[[], None]], warmup: int, repeats: int, deadline: float, device: torch.device
+) -> Dict[str, Dict[str, object]]:
+    """Warm up every mode, then time up to ``repeats`` runs of each within ``deadline`` (perf_counter).
+
+    Repeats are cut to what the budget allows, judged from the slowest run seen so far; fewer than
+    one timed run of each mode raises OverBudget.
+    """
+    slowest = {name: 0.0 for name in modes}
+    for name, fn in modes.items():
+        for _ in range(warmup):
+            slowest[name] = max(slowest[name], timed(fn, device))
+            if time.perf_counter() > deadline:
+                raise OverBudget(f"warm-up {name} run took {slowest[name]:.1f} s and used up the budget")
+    times: Dict[str, List[float]] = {name: [] for name in modes}
+    for _ in range(repeats):
+        for name, fn in modes.items():
+            if times[name] and time.perf_counter() + slowest[name] > deadline:
+                continue
+            if not times[name] and time.perf_counter() + slowest[name] > deadline:
+                raise OverBudget(f"one {name} run takes {slowest[name]:.1f} s; no time left in the budget")
+            took = timed(fn, device)
+            times[name].append(took)
+            slowest[name] = max(slowest[name], took)
+        if time.perf_counter() > deadline:
+            break
+    missing = [name for name, t in times.items() if not t]
+    if missing:
+        raise OverBudget(f"the budget ran out before a timed {missing[0]} run")
+    return {name: summarize(t) for name, t in times.items()}
+
+
+def memory_reset(device: torch.device) -> Optional[float]:
+    """Start the point's memory count; returns the CPU baseline resident set in MiB (None on CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return None
+    return proc_status_mb("VmRSS")
+
+
+def memory_peak(device: torch.device, baseline_mb: Optional[float]) -> Dict[str, object]:
+    """The point's peak memory, how it was measured, and the baseline it excludes."""
+    if device.type == "cuda":
+        return {
+            "peak_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+            "memory_kind": "cuda_max_memory_allocated",
+            "baseline_mem_mb": 0.0,
+        }
+    peak = proc_status_mb("VmHWM")
+    return {
+        "peak_mem_mb": peak - (baseline_mb or 0.0),
+        "memory_kind": "cpu_peak_rss_minus_baseline",
+        "baseline_mem_mb": baseline_mb,
+        "peak_rss_mb": peak,
+    }

@@ -1,0 +1,173 @@
+"""One benchmark point, measured in a process of its own (forked by lra.bench_sweep).
+
+The spec (written by lra.bench_sweep) names the level (attention, model or gemm), the backend, the
+length, batch and sizes, the time budget and the memory cap; the result (status, timings, memory)
+is written as JSON to the spec's ``result_path``. Running out of memory is caught here (the cap is
+an RLIMIT_AS on the CPU) and recorded as ``oom``; a budget too small for one timed run of each
+mode is recorded as ``timeout``; the parent kills a child that overruns and records that too.
+By hand: ``python -m lra.bench_point SPEC.json`` (the spec names result_path and log_path).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from .bench_estimate import PassThrough, add_stats, scale_stats, slice_fn
+from .bench_measure import (
+    OverBudget,
+    cap_address_space,
+    is_oom,
+    measure,
+    memory_peak,
+    memory_reset,
+    timed,
+)
+from .bench_workloads import (
+    Modes,
+    attention_modes,
+    attention_module,
+    build_model,
+    gemm_modes,
+    kernel_of,
+    model_modes,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+# a point runs whole only when its predicted cost fits this many times in the budget left
+HEADROOM = 2.0
+
+
+def estimated(forward: Dict[str, Any], train: Dict[str, Any], slice_info: Dict[str, Any]) -> Dict[str, Any]:
+    return {"status": "estimated", "estimated": True, "forward": forward, "train": train, "slice": slice_info}
+
+
+def run_whole(
+    estimate: Optional[Dict[str, Any]], modes: Callable[[], Modes], spec: Dict[str, Any], deadline: float,
+    device: torch.device,
+) -> Dict[str, Any]:
+    """Time the whole point, unless the estimate says it cannot fit; an overrun falls back on the estimate."""
+    if estimate is not None:
+        per_run = float(estimate["forward"]["median_s"]) + float(estimate["train"]["median_s"])
+        fits = HEADROOM * per_run * (spec["warmup"] + 1) <= deadline - time.perf_counter()
+        if spec["estimate"] == "always" or not fits:
+            return estimate
+    try:
+        stats = measure(modes(), spec["warmup"], spec["repeats"], deadline, device)
+    except OverBudget as err:
+        if estimate is None:
+            raise
+        return {**estimate, "message": f"the whole point overran its budget ({err})"}
+    return {"status": "ok", "estimated": False, **stats}
+
+
+def attention_point(spec: Dict[str, Any], device: torch.device, dtype: torch.dtype, deadline: float) -> Dict[str, Any]:
+    attn = attention_module(spec, device, dtype)
+    n, queries = spec["length"], spec["slice_queries"]
+    slicer = slice_fn(spec["backend"], attn)
+    estimate = None
+    if slicer is not None and spec["estimate"] != "never" and queries < n:
+        raw = measure(attention_modes(attn, slicer, spec, queries, device, dtype), spec["warmup"],
+                      min(spec["repeats"], 3), deadline, device)
+        scale = n / queries
+        info = {"queries": queries, "scale": scale, "forward": raw["forward"], "train": raw["train"]}
+        estimate = estimated(scale_stats(raw["forward"], scale), scale_stats(raw["train"], scale), info)
+    return run_whole(estimate, lambda: attention_modes(attn, attn, spec, n, device, dtype), spec, deadline, device)
+
+
+def model_point(spec: Dict[str, Any], device: torch.device, dtype: torch.dtype, deadline: float) -> Dict[str, Any]:
+    model = build_model(spec, device)
+    n, queries, layers = spec["length"], spec["slice_queries"], spec["layers"]
+    blocks = list(model.encoder.blocks)
+    attn = blocks[0].attn
+    slicer = slice_fn(spec["backend"], attn)
+    estimate = None
+    if slicer is not None and spec["estimate"] != "never" and queries < n:
+        sizes = {**spec, "head_dim": spec["width"] // spec["heads"]}
+        raw = measure(attention_modes(attn, slicer, sizes, queries, device, dtype), spec["warmup"],
+                      min(spec["repeats"], 3), deadline, device)
+        scale = n / queries
+        # the rest of the model timed for real, the attention replaced by a pass-through
+        originals = [block.attn for block in blocks]
+        for block in blocks:
+            block.attn = PassThrough()
+        rest = measure(model_modes(model, spec, device, dtype), spec["warmup"], spec["repeats"], deadline, device)
+        for block, original in zip(blocks, originals):
+            block.attn = original
+        forward = add_stats(rest["forward"], scale_stats(raw["forward"], scale), layers)
+        train = add_stats(rest["train"], scale_stats(raw["train"], scale), layers)
+        info = {"queries": queries, "scale": scale, "layers": layers, "attention": raw, "rest": rest}
+        estimate = estimated(forward, train, info)
+    return run_whole(estimate, lambda: model_modes(model, spec, device, dtype), spec, deadline, device)
+
+
+def gemm_point(spec: Dict[str, Any], device: torch.device, dtype: torch.dtype, deadline: float) -> Dict[str, Any]:
+    modes, flops = gemm_modes(spec["gemm_size"], device, dtype)
+    stats = measure(modes, spec["warmup"], spec["repeats"], deadline, device)["matmul"]
+    return {
+        "status": "ok", "size": spec["gemm_size"], "flops": flops, "matmul": stats,
+        "flops_per_s": flops / stats["median_s"], "best_flops_per_s": flops / stats["min_s"],
+    }
+
+
+LEVELS = {"attention": attention_point, "model": model_point, "gemm": gemm_point}
+
+
+def run_point(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """Measure the point described by ``spec``; every outcome is a result with a status."""
+    device = torch.device(spec["device"])
+    dtype = DTYPES[spec["dtype"]]
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    torch.manual_seed(spec["seed"])
+    # start the thread pool (and CUDA) before the memory cap and the baseline are taken
+    timed(lambda: torch.ones(256, 256, device=device) @ torch.ones(256, 256, device=device), device)
+    if spec["max_mem_gb"]:
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, spec["max_mem_gb"] * 2**30 / total), device)
+        else:
+            cap_address_space(spec["max_mem_gb"])
+    baseline = memory_reset(device)
+    start = time.perf_counter()
+    kernel = kernel_of(spec.get("backend", ""), device) if spec["level"] != "gemm" else "torch.mm"
+    try:
+        result = LEVELS[spec["level"]](spec, device, dtype, start + spec["budget_s"])
+    except OverBudget as err:
+        result = {"status": "timeout", "message": str(err)}
+    except Exception as err:  # noqa: BLE001 - any failure becomes the point's status
+        if not is_oom(err):
+            raise
+        result = {"status": "oom", "message": str(err).strip().splitlines()[0][:300]}
+    memory = memory_peak(device, baseline)
+    if result.get("estimated"):
+        # the slice's memory is not the point's: keep it, but report no peak for the point
+        result["slice"]["peak_mem_mb"] = memory.pop("peak_mem_mb")
+        memory["peak_mem_mb"] = None
+    return {**result, **memory, "kernel": kernel, "measure_s": time.perf_counter() - start}
+
+
+def child(spec_path: str) -> None:
+    """Entry of the point's process: read the spec, measure, write the result (stderr to the log)."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    log = open(spec["log_path"], "w")
+    os.dup2(log.fileno(), 2)
+    try:
+        result = run_point(spec)
+    except Exception as err:  # noqa: BLE001 - reported to the parent as the point's error
+        traceback.print_exc()
+        result = {"status": "error", "message": f"{type(err).__name__}: {err}".splitlines()[0][:300]}
+    with open(spec["result_path"], "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    child(sys.argv[1])

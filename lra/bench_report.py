@@ -1,0 +1,227 @@
+"""A throughput record -> slopes, a markdown table and a log-log plot.
+
+The slope of time against N on log-log axes is the exponent of the cost: about 2 for full
+attention, about 1 for a linear-cost method. It is fitted by least squares over every point that
+has a time (measured or estimated), and also given between the two longest such lengths, where
+fixed overheads weigh least.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from .bench_env import describe
+from .bench_flops import efficiency
+
+TIMED = ("ok", "estimated")
+
+
+def loglog_slope(lengths: Sequence[float], times: Sequence[float]) -> Optional[float]:
+    """Least-squares slope of log(time) against log(N); None with fewer than two lengths."""
+    if len(set(lengths)) < 2:
+        return None
+    xs = [math.log(n) for n in lengths]
+    ys = [math.log(t) for t in times]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def slopes(record: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """Per backend and mode: the fitted slope, the slope over the two longest lengths, the points used."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for backend in record["settings"]["backends"]:
+        points = [p for p in record["points"] if p["backend"] == backend and p["status"] in TIMED]
+        entry: Dict[str, Any] = {"lengths": [p["length"] for p in points],
+                                 "estimated_lengths": [p["length"] for p in points if p["estimated"]]}
+        for mode in ("forward", "train"):
+            # time per token-sequence: divide by the batch, which the model level searches per point
+            times = [p[mode]["median_s"] / p["batch"] for p in points]
+            lengths = [p["length"] for p in points]
+            entry[mode] = loglog_slope(lengths, times)
+            entry[f"{mode}_last_two"] = loglog_slope(lengths[-2:], times[-2:])
+        out[backend] = entry
+    return out
+
+
+def fmt_length(n: int) -> str:
+    if n >= 2**20 and n % 2**20 == 0:
+        return f"{n // 2**20}M"
+    if n >= 2**10 and n % 2**10 == 0:
+        return f"{n // 2**10}K"
+    return str(n)
+
+
+def fmt_count(x: float) -> str:
+    for size, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if x >= size:
+            return f"{x / size:.3g}{suffix}"
+    return f"{x:.3g}"
+
+
+def fmt_time(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3g} s"
+    return f"{s * 1000:.3g} ms"
+
+
+def fmt_mem(mb: Optional[float]) -> str:
+    if mb is None:
+        return "n/a"
+    return f"{mb / 1024:.3g} GB" if mb >= 1024 else f"{mb:.3g} MB"
+
+
+def fmt_slope(s: Optional[float]) -> str:
+    return "n/a" if s is None else f"{s:.2f}"
+
+
+def cell(point: Optional[Dict[str, Any]], text: str) -> str:
+    """A table cell: the value (``~`` when estimated), or the status of a point without one."""
+    if point is None:
+        return ""
+    if point["status"] not in TIMED:
+        return f"({point['status']})" if point.get("skipped") else point["status"]
+    return f"~{text}" if point["estimated"] else text
+
+
+def grid(record: Dict[str, Any], title: str, value: Any) -> List[str]:
+    """A markdown table: one row per backend, one column per length; ``value(point) -> str``."""
+    lengths = record["settings"]["lengths"]
+    index = {(p["backend"], p["length"]): p for p in record["points"]}
+    lines = [f"**{title}**", "", "| backend | " + " | ".join(fmt_length(n) for n in lengths) + " |",
+             "|---|" + "---:|" * len(lengths)]
+    for backend in record["settings"]["backends"]:
+        cells = []
+        for n in lengths:
+            point = index.get((backend, n))
+            timed = point is not None and point["status"] in TIMED
+            cells.append(cell(point, value(point, index) if timed else ""))
+        lines.append(f"| {backend} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def speedup(mode: str) -> Any:
+    def value(point: Dict[str, Any], index: Dict[Any, Dict[str, Any]]) -> str:
+        if point["backend"] == "full":
+            return "1x"
+        full = index.get(("full", point["length"]))
+        if full is None or full["status"] not in TIMED:
+            return "n/a"
+        ratio = (full[mode]["median_s"] / full["batch"]) / (point[mode]["median_s"] / point["batch"])
+        marked = "~" if full["estimated"] and not point["estimated"] else ""
+        return f"{marked}{ratio:.3g}x"
+    return value
+
+
+def header(record: Dict[str, Any]) -> List[str]:
+    s, hw = record["settings"], record["hardware"]
+    if record["level"] == "attention":
+        what = f"one attention call, B={s['batch']}, H={s['heads']}, D={s['head_dim']}"
+        modes = "forward = one call in inference mode; train = forward + backward"
+    else:
+        batch = "searched per point" if s["batch"] is None else str(s["batch"])
+        what = (f"{s['layers']}-layer encoder, width {s['width']}, {s['heads']} heads, FFN {s['ffn_dim']}, "
+                f"batch {batch}")
+        modes = "forward = one inference step; train = forward + backward + AdamW step"
+    load = record["load_average"]
+    threads = s["threads"] or hw["torch_threads"]
+    cap = f", memory cap {s['max_mem_gb']} GiB a point" if s.get("max_mem_gb") else ""
+    return [
+        f"## Throughput, {record['level']} level: {what}",
+        "",
+        f"{describe(hw)} ({threads} torch thread{'s' if threads != 1 else ''}); {s['dtype']}; torch {record['versions']['torch']}; "
+        f"commit {record['versions']['git_commit']}; load average (1 min) {load['start'][0]} at start, "
+        f"{load.get('end', ['?'])[0]} at end.",
+        f"{modes}. Median of up to {s['repeats']} timed runs after {s['warmup']} warm-up run(s); "
+        f"budget {s['budget_s']:.0f} s a point{cap}.",
+        "`~` = estimated from a slice of the queries against all N keys (cost linear in the queries); "
+        "`(status)` = not run, the backend already failed at a shorter length.",
+        "",
+    ]
+
+
+def efficiency_lines(record: Dict[str, Any]) -> List[str]:
+    eff = efficiency(record)
+    gemm = record.get("gemm") or {}
+    if eff["gemm_flops_per_s"] is None:
+        return []
+    lines = [f"**Fraction of the matmul rate** ({gemm['size']}x{gemm['size']} {gemm['dtype']} GEMM: "
+             f"{eff['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s; FLOPs counted analytically, lra/bench_flops.py)", "",
+             "| backend | N | forward GFLOP/s | forward fraction | train GFLOP/s | train fraction |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for row in eff["points"]:
+        mark = "~" if row["estimated"] else ""
+        lines.append(
+            f"| {row['backend']} | {fmt_length(row['length'])} | {mark}{row['forward_flops_per_s'] / 1e9:.3g} | "
+            f"{mark}{row['forward_fraction']:.1%} | {mark}{row['train_flops_per_s'] / 1e9:.3g} | {mark}{row['train_fraction']:.1%} |"
+        )
+    return lines + [""]
+
+
+def markdown(record: Dict[str, Any]) -> str:
+    """The record as markdown tables: throughput, time, memory, speedup, slopes, efficiency."""
+    lines = header(record)
+    lines += grid(record, "Train throughput (tokens/s)", lambda p, _: fmt_count(p["tokens_per_s"]["train"]))
+    lines += grid(record, "Train speedup over full", speedup("train"))
+    lines += grid(record, "Train time (median, spread)",
+                  lambda p, _: f"{fmt_time(p['train']['median_s'])} ±{p['train']['spread']:.0%}")
+    lines += grid(record, "Forward throughput (tokens/s)", lambda p, _: fmt_count(p["tokens_per_s"]["forward"]))
+    lines += grid(record, "Forward speedup over full", speedup("forward"))
+    lines += grid(record, f"Peak memory ({memory_kind(record)})", lambda p, _: fmt_mem(p.get("peak_mem_mb")))
+    if record["level"] == "model":
+        lines += grid(record, "Batch size", lambda p, _: str(p["batch"]))
+    lines += ["**Slope of time against N (log-log)**: fit over all lengths / over the two longest", "",
+              "| backend | forward | train |", "|---|---:|---:|"]
+    for backend, entry in record["slopes"].items():
+        est = " (with estimates)" if entry["estimated_lengths"] else ""
+        lines.append(f"| {backend}{est} | {fmt_slope(entry['forward'])} / {fmt_slope(entry['forward_last_two'])} | "
+                     f"{fmt_slope(entry['train'])} / {fmt_slope(entry['train_last_two'])} |")
+    lines.append("")
+    lines += efficiency_lines(record)
+    return "\n".join(lines)
+
+
+def memory_kind(record: Dict[str, Any]) -> str:
+    if record["hardware"]["device"] == "cuda":
+        return "torch.cuda.max_memory_allocated"
+    return "peak RSS of the point's process minus its RSS before the point"
+
+
+def plot(record: Dict[str, Any], path: Path) -> None:
+    """Log-log plot of train throughput and peak memory against N; hollow markers are estimates."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for backend in record["settings"]["backends"]:
+        points = [p for p in record["points"] if p["backend"] == backend and p["status"] in TIMED]
+        if not points:
+            continue
+        xs = [p["length"] for p in points]
+        # a dashed line where any point of the backend is an estimate
+        style = "--" if any(p["estimated"] for p in points) else "-"
+        line, = ax_t.plot(xs, [p["tokens_per_s"]["train"] for p in points], style, label=backend)
+        for p in points:
+            face = "none" if p["estimated"] else line.get_color()
+            ax_t.plot(p["length"], p["tokens_per_s"]["train"], "o", mfc=face, color=line.get_color())
+        mem = [(p["length"], p["peak_mem_mb"]) for p in points if p.get("peak_mem_mb") is not None]
+        if mem:
+            ax_m.plot(*zip(*mem), "o-", color=line.get_color(), label=backend)
+    lengths = record["settings"]["lengths"]
+    for ax, label in ((ax_t, "train tokens / s"), (ax_m, "peak memory (MB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(lengths, [fmt_length(n) for n in lengths])
+        ax.set_xlabel("sequence length N")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in (ax_t, ax_m):
+        if ax.get_lines():
+            ax.legend(fontsize=8)
+    ax_t.set_title(f"train throughput, {record['level']} level, {describe(record['hardware'])}", fontsize=9)
+    ax_m.set_title("peak memory (hollow marker / dashed = estimated: no memory shown)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

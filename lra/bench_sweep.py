@@ -1,0 +1,204 @@
+"""The sweep: every (length, backend) point in its own child process, gathered into one record.
+
+Points run shortest length first, every backend at one length before the next, so backends are
+measured side by side. A child that runs out of memory or over its budget is recorded as ``oom``
+or ``timeout``; longer lengths of that backend are then recorded with the same status, marked
+``skipped``, instead of spending the budget again. At the model level the batch size is searched
+per point: 1, 2, 4, ... until a batch fails, stops gaining ``min_gain`` throughput, or reaches
+``max_batch``; every trial is kept in ``batch_search`` and the best one is the point.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import multiprocessing
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from tqdm import tqdm
+
+from . import bench_point
+from .bench_env import hardware, load_average, versions
+from .bench_report import fmt_length
+from .record import now
+
+
+
+@dataclass
+class Settings:
+    level: str
+    backends: List[str]
+    lengths: List[int]
+    device: str
+    dtype: str
+    # attention level: the batch; model level: a fixed batch, or None to search it
+    batch: Optional[int]
+    heads: int
+    head_dim: int
+    layers: int
+    width: int
+    ffn_dim: int
+    dropout: float
+    budget_s: float
+    max_mem_gb: Optional[float]
+    warmup: int
+    repeats: int
+    estimate: str
+    slice_queries: int
+    threads: int
+    gemm_size: int
+    max_batch: int
+    min_gain: float
+    seed: int = 0
+    # seconds a child may run past its budget (to finish the run in flight) before it is killed
+    slack_s: float = 60.0
+    attn_options: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+
+
+def child_context() -> multiprocessing.context.BaseContext:
+    """Processes forked from a server that imported torch once: fresh memory, no import per point."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["lra.bench_point"])
+    return ctx
+
+
+def run_child(spec: Dict[str, Any], workdir: Path) -> Dict[str, Any]:
+    """Run one point in its own process; a kill or a crash becomes the point's status."""
+    spec_path, result_path, log_path = workdir / "spec.json", workdir / "result.json", workdir / "point.log"
+    for path in (result_path, log_path):
+        path.unlink(missing_ok=True)
+    spec_path.write_text(json.dumps({**spec, "result_path": str(result_path), "log_path": str(log_path)}))
+    proc = child_context().Process(target=bench_point.child, args=(str(spec_path),), daemon=True)
+    proc.start()
+    limit = spec["budget_s"] + spec["slack_s"]
+    proc.join(limit)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        return {"status": "timeout", "message": f"killed after {limit:.0f} s (budget {spec['budget_s']:.0f} s)"}
+    if result_path.exists():
+        return json.loads(result_path.read_text())
+    if proc.exitcode == -signal.SIGKILL:
+        return {"status": "oom", "message": "killed by SIGKILL (the kernel's OOM killer?); set --max-mem-gb lower"}
+    log = log_path.read_text().strip().splitlines() if log_path.exists() else []
+    tail = (log or ["no output"])[-1][:300]
+    return {"status": "error", "message": f"exit status {proc.exitcode}: {tail}"}
+
+
+def child_spec(settings: Settings, backend: str, length: int, batch: int) -> Dict[str, Any]:
+    spec = dataclasses.asdict(settings)
+    for key in ("backends", "lengths", "batch", "attn_options", "max_batch", "min_gain"):
+        spec.pop(key)
+    return {**spec, "backend": backend, "length": length, "batch": batch,
+            "attn_options": settings.attn_options.get(backend, {})}
+
+
+def with_throughput(result: Dict[str, Any], batch: int, length: int) -> Dict[str, Any]:
+    """Tokens per second of each timed mode: batch x length / median seconds."""
+    result["tokens_per_s"] = {
+        mode: batch * length / result[mode]["median_s"]
+        for mode in ("forward", "train")
+        if result.get(mode) and result[mode]["median_s"] > 0
+    }
+    return result
+
+
+def search_batch(settings: Settings, backend: str, length: int, workdir: Path) -> Dict[str, Any]:
+    """Double the batch while it fits in memory and the budget and still gains throughput."""
+    trials: List[Dict[str, Any]] = []
+    best: Optional[Dict[str, Any]] = None
+    batch = 1
+    while batch <= settings.max_batch:
+        result = with_throughput(run_child(child_spec(settings, backend, length, batch), workdir), batch, length)
+        trials.append({"batch": batch, "status": result["status"], "tokens_per_s": result.get("tokens_per_s", {}),
+                       "peak_mem_mb": result.get("peak_mem_mb"), "message": result.get("message", "")})
+        if result["status"] not in ("ok", "estimated"):
+            break
+        rate = result["tokens_per_s"]["train"]
+        previous = best["tokens_per_s"]["train"] if best is not None else 0.0
+        if rate > previous:
+            best = {**result, "batch": batch}
+        if previous and rate < (1 + settings.min_gain) * previous:
+            break
+        batch *= 2
+    # when batch 1 already failed, that failure is the point
+    point = best if best is not None else {**result, "batch": 1}
+    point["batch_search"] = trials
+    return point
+
+
+def measure_point(settings: Settings, backend: str, length: int, workdir: Path) -> Dict[str, Any]:
+    if settings.level == "model" and settings.batch is None:
+        return search_batch(settings, backend, length, workdir)
+    batch = settings.batch or 1
+    result = run_child(child_spec(settings, backend, length, batch), workdir)
+    return {**with_throughput(result, batch, length), "batch": batch}
+
+
+def measure_gemm(settings: Settings, workdir: Path) -> Optional[Dict[str, Any]]:
+    """The matmul rate of this machine in the benchmark's dtype, or None when --gemm-size is 0."""
+    if settings.gemm_size <= 0:
+        return None
+    spec = {**child_spec(settings, "", 0, 1), "level": "gemm"}
+    return {**run_child(spec, workdir), "dtype": settings.dtype}
+
+
+# settings that mean nothing at the other level, left out of its record
+UNUSED = {"attention": ("layers", "width", "ffn_dim", "dropout", "max_batch", "min_gain"), "model": ()}
+
+
+def recorded_settings(settings: Settings) -> Dict[str, Any]:
+    values = dataclasses.asdict(settings)
+    return {key: value for key, value in values.items() if key not in UNUSED[settings.level]}
+
+
+def sweep(settings: Settings, quiet: bool = False, on_point: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
+    """Run every point of ``settings``; returns the sweep's record (without the derived tables)."""
+    device = torch.device(settings.device)
+    record: Dict[str, Any] = {
+        "schema": 1,
+        "kind": "lra-bench",
+        "level": settings.level,
+        "started_at": now(),
+        "hardware": hardware(device),
+        "versions": versions(),
+        "settings": recorded_settings(settings),
+        "load_average": {"start": load_average()},
+        "points": [],
+    }
+    blocked: Dict[str, Dict[str, Any]] = {}
+    total = len(settings.lengths) * len(settings.backends) + (settings.gemm_size > 0)
+    bar = tqdm(total=total, disable=quiet, unit="point", dynamic_ncols=True, file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="lra-bench-") as tmp:
+        workdir = Path(tmp)
+        bar.set_description("gemm")
+        record["gemm"] = measure_gemm(settings, workdir)
+        bar.update(settings.gemm_size > 0)
+        for length in settings.lengths:
+            for backend in settings.backends:
+                bar.set_description(f"{backend} N={length}")
+                if backend in blocked:
+                    first = blocked[backend]
+                    point = {"status": first["status"], "skipped": True, "batch": first["batch"],
+                             "message": f"not run: {first['status']} at N={fmt_length(first['length'])}"}
+                else:
+                    point = measure_point(settings, backend, length, workdir)
+                    point.setdefault("skipped", False)
+                point = {"backend": backend, "length": length, **point}
+                point.setdefault("estimated", False)
+                if point["status"] in ("oom", "timeout") and backend not in blocked:
+                    blocked[backend] = point
+                record["points"].append(point)
+                bar.update(1)
+                bar.set_postfix_str(f"{backend} N={length}: {point['status']}")
+                if on_point is not None:
+                    on_point(record)
+    bar.close()
+    record["load_average"]["end"] = load_average()
+    record["finished_at"] = now()
+    return record

@@ -1,0 +1,157 @@
+"""The work one benchmark point times: callables for each mode, built on the point's device.
+
+Attention level: one call of a backend on q, k, v [B, H, N, D]; modes ``forward`` (inference
+mode) and ``train`` (forward + backward of a fixed random output gradient). Model level: the MiTA
+paper's speed setup, an LRA encoder (lra.model.LRAModel) on random tokens without padding; modes
+``forward`` (one inference step) and ``train`` (forward, cross-entropy, backward, AdamW step).
+GEMM: one large matmul, the rate the hardware allows. On CUDA ``full`` runs on flash-attn when it
+is installed, else on SDPA restricted to its flash kernel; every backend gets the same dtype.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attentions import build_attention
+
+from .config import ModelConfig
+from .model import LRAModel
+
+Modes = Dict[str, Callable[[], None]]
+VOCAB = 256
+CLASSES = 10
+
+
+def flash_attn_func() -> Optional[Callable[..., torch.Tensor]]:
+    """flash-attn's kernel when installed (pip install lra-suite[gpu]), imported only in a point's process."""
+    try:
+        from flash_attn import flash_attn_func as func
+    except ImportError:
+        return None
+    return func
+
+
+class FlashFull(nn.Module):
+    """Full attention on the fastest exact CUDA kernel: flash-attn, else SDPA's flash backend."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flash = flash_attn_func()
+        self.kernel = "flash-attn" if self.flash is not None else "sdpa-flash"
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, H, S, D] over k, v [B, H, N, D] -> [B, H, S, D] (S may differ from N)."""
+        if self.flash is not None:
+            # flash-attn takes [B, N, H, D]; the transposed views keep the last dim contiguous
+            out = self.flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            return out.transpose(1, 2)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None
+    ) -> torch.Tensor:
+        return self.attend(q, k, v)
+
+
+def kernel_of(backend: str, device: torch.device) -> str:
+    """Which implementation a backend runs on in this benchmark."""
+    if backend == "full":
+        return FlashFull().kernel if device.type == "cuda" else "sdpa-cpu"
+    return f"attentions.{backend}"
+
+
+def attention_module(spec: Dict[str, Any], device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The backend of the point, built with max_len = N (Linformer sizes its projections with it)."""
+    if spec["backend"] == "full" and device.type == "cuda":
+        return FlashFull()
+    attn = build_attention(
+        spec["backend"], num_heads=spec["heads"], head_dim=spec["head_dim"], max_len=spec["length"],
+        **spec["attn_options"],
+    )
+    return attn.to(device=device, dtype=dtype)
+
+
+def attention_modes(
+    attn: nn.Module, call: Callable[..., torch.Tensor], spec: Dict[str, Any], queries: int,
+    device: torch.device, dtype: torch.dtype,
+) -> Modes:
+    """Forward and forward+backward of ``call(q, k, v)`` with ``queries`` queries against N keys."""
+    b, h, n, d = spec["batch"], spec["heads"], spec["length"], spec["head_dim"]
+    gen = torch.Generator(device=device).manual_seed(spec["seed"])
+
+    def rand(length: int) -> torch.Tensor:
+        return torch.randn(b, h, length, d, generator=gen, device=device, dtype=dtype).requires_grad_()
+
+    q, k, v = rand(queries), rand(n), rand(n)  # [B, H, S, D], [B, H, N, D] x 2
+    grad_out = torch.randn(b, h, queries, d, generator=gen, device=device, dtype=dtype)
+
+    def forward() -> None:
+        with torch.inference_mode():
+            call(q, k, v)
+
+    def train() -> None:
+        call(q, k, v).backward(grad_out)
+        for t in (q, k, v):
+            t.grad = None
+        attn.zero_grad(set_to_none=True)
+
+    return {"forward": forward, "train": train}
+
+
+def build_model(spec: Dict[str, Any], device: torch.device) -> LRAModel:
+    """The paper's encoder: ``layers`` pre-LN blocks of width ``width``, mean pooling, no padding."""
+    cfg = ModelConfig(
+        num_layers=spec["layers"], dim=spec["width"], num_heads=spec["heads"], ffn_dim=spec["ffn_dim"],
+        dropout=spec["dropout"],
+    )
+    model = LRAModel(
+        cfg, spec["backend"], spec["attn_options"], vocab_size=VOCAB, num_classes=CLASSES,
+        max_len=spec["length"], padded=False,
+    ).to(device)
+    if spec["backend"] == "full" and device.type == "cuda":
+        for block in model.encoder.blocks:
+            block.attn = FlashFull()
+    return model
+
+
+def model_modes(model: LRAModel, spec: Dict[str, Any], device: torch.device, dtype: torch.dtype) -> Modes:
+    """One inference step and one training step (forward, loss, backward, AdamW) on random tokens."""
+    gen = torch.Generator(device=device).manual_seed(spec["seed"])
+    tokens = torch.randint(0, VOCAB, (spec["batch"], spec["length"]), generator=gen, device=device)  # [B, N]
+    labels = torch.randint(0, CLASSES, (spec["batch"],), generator=gen, device=device)  # [B]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # bf16 autocast on CUDA (weights and optimizer stay float32); float32 throughout on the CPU
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+    def forward() -> None:
+        model.eval()
+        with torch.inference_mode(), autocast:
+            model(tokens)
+
+    def train() -> None:
+        model.train()
+        with autocast:
+            loss = F.cross_entropy(model(tokens).float(), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return {"forward": forward, "train": train}
+
+
+def gemm_modes(size: int, device: torch.device, dtype: torch.dtype) -> Tuple[Modes, float]:
+    """One [size, size] @ [size, size] matmul and its FLOP count (2 size^3)."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    out = torch.empty(size, size, device=device, dtype=dtype)
+
+    def matmul() -> None:
+        torch.mm(a, b, out=out)
+
+    return {"matmul": matmul}, 2.0 * size**3

@@ -69,19 +69,27 @@ def test_sigkill_then_resume_gives_the_same_record(workdir: Path) -> None:
 
 def test_sigterm_saves_a_checkpoint_and_resume_flag_continues(workdir: Path) -> None:
     out = workdir / "term"
-    child = subprocess.Popen([*RUN, *TINY, "--out", str(out)], cwd=workdir, stderr=subprocess.PIPE, text=True)
+    # long enough that the signal always lands inside the training loop
+    args = [*TINY, "--out", str(out), "--set", "train.steps=400"]
+    child = subprocess.Popen([*RUN, *args], cwd=workdir, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while time.time() < deadline and not list(out.glob("*/metrics.jsonl")):
+    while time.time() < deadline:
+        logs = list(out.glob("*/metrics.jsonl"))
+        if logs and len(logs[0].read_text().splitlines()) >= 3:
+            break
         time.sleep(0.05)
-    time.sleep(0.5)
     child.send_signal(signal.SIGTERM)
     _, err = child.communicate(timeout=120)
     assert child.returncode == 130 and "continue with the same command" in err
     assert list(out.glob("*/checkpoint.pt")) and not list(out.glob("*/record.json"))
-    proc = lra_run([*TINY, "--out", str(out), "--resume"], workdir)
+    proc = lra_run([*args, "--resume"], workdir)
     assert proc.returncode == 0, proc.stderr
-    ref, resumed = record(workdir / "ref"), record(out)
-    assert {k: resumed[k] for k in METRICS} == {k: ref[k] for k in METRICS}
+    resumed = record(out)
+    assert resumed["status"] == "completed" and resumed["steps"] == 400
+    lines = [json.loads(line) for line in next(out.glob("*/metrics.jsonl")).read_text().splitlines()]
+    # one loss line per step: the steps after the checkpoint were dropped and logged again
+    losses_at = [m["step"] for m in lines if "loss" in m]
+    assert losses_at == list(range(1, 401))
 
 
 def test_a_finished_run_is_never_overwritten(workdir: Path) -> None:

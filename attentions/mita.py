@@ -141,6 +141,11 @@ class MiTAAttention(Attention):
         for name in ("landmarks", "topk", "experts_per_query"):
             if getattr(cfg, name) < 1:
                 raise AttentionError(f"mita {name} must be a positive integer, got {getattr(cfg, name)}")
+        if cfg.landmarks > dims.max_len:
+            raise AttentionError(
+                f"mita landmarks={cfg.landmarks} is more than the {dims.max_len} tokens a sequence can have "
+                f"(max_len); choose landmarks <= {dims.max_len} (shorter sequences clamp on their own)"
+            )
         if cfg.experts_per_query > cfg.landmarks or cfg.topk < cfg.experts_per_query:
             raise AttentionError(
                 f"mita experts_per_query={cfg.experts_per_query} must be at most landmarks={cfg.landmarks} "

@@ -141,8 +141,8 @@ class MoBAAttention(Attention):
         heads = torch.arange(b * h, device=q.device)[:, None, None]
         expert = heads * blocks + chosen.view(b * h, n, per_query)  # [B*H, N, topk']
         expert = torch.where(chosen_ok.view(b * h, n, per_query), expert, b * h * blocks)
-        block_k = F.pad(k, (0, 0, 0, pad)).view(b * h * blocks, size, d)
-        block_v = F.pad(v, (0, 0, 0, pad)).view(b * h * blocks, size, d)
+        block_k = F.pad(k, (0, 0, 0, pad)).reshape(b * h * blocks, size, d)
+        block_v = F.pad(v, (0, 0, 0, pad)).reshape(b * h * blocks, size, d)
         real = F.pad(_real_keys(mask, q), (0, pad)).view(b, 1, blocks, size).expand(b, h, blocks, size)
         block_ok = real.reshape(b * h * blocks, size)
         out, lse = grouped_attention(

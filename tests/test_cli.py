@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from attentions import list_attentions
+from lra import cli
 from lra.record import validate_record
 
 
@@ -64,3 +67,23 @@ def test_lra_data_generate_writes_official_files(tmp_path: Path) -> None:
     lines = (folder / "basic_train.tsv").read_text().splitlines()
     assert lines[0] == "Source\tTarget" and len(lines) == 41
     assert all((folder / f"basic_{s}.tsv").exists() for s in ("val", "test"))
+
+
+@pytest.fixture(scope="module")
+def smoke_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One folder whose ./data holds the smoke preset's generated ListOps set, shared by the runs."""
+    return tmp_path_factory.mktemp("smoke_all")
+
+
+@pytest.mark.parametrize("attn", list_attentions())
+def test_every_backend_trains_listops_smoke_through_lra_run(
+    attn: str, smoke_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(smoke_dir)
+    out = smoke_dir / f"runs-{attn}"
+    code = cli.run(["--task", "listops", "--attn", attn, "--preset", "smoke", "--out", str(out), "--quiet",
+                    "--set", "train.steps=3", "train.eval_every=3", "train.test_batches=1"])
+    assert code == 0
+    record = json.loads(next(out.glob("*/record.json")).read_text())
+    assert record["attn"] == attn and record["status"] == "completed" and record["steps"] == 3
+    assert record["final_train_loss"] is not None and math.isfinite(record["final_train_loss"])

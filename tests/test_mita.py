@@ -50,7 +50,7 @@ def test_fast_path_matches_reference(case: tuple, small_chunks: bool, monkeypatc
         monkeypatch.setattr(mita, "ROUTE_ELEMENTS", 16 * 2 * 2 * 8)
     torch.manual_seed(0)
     mask = None if lengths is None else lengths_mask(lengths, n)
-    attn = build_attention("mita", num_heads=h, head_dim=d, max_len=n, **overrides)
+    attn = build_attention("mita", num_heads=h, head_dim=d, max_len=4096, **overrides)
     cfg = attn.cfg
     inputs = [torch.randn(b, h, n, d, dtype=torch.float64, requires_grad=True) for _ in range(3)]
     # the loss ignores padded rows, whose outputs the contract leaves free
@@ -153,7 +153,7 @@ def test_padding_never_changes_a_sequence(overrides: dict) -> None:
     b, h, n, d = 3, 2, 48, 16
     lengths = [48, 29, 5]
     mask = lengths_mask(lengths, n)
-    attn = build_attention("mita", num_heads=h, head_dim=d, max_len=n, **overrides)
+    attn = build_attention("mita", num_heads=h, head_dim=d, max_len=4096, **overrides)
     q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64) for _ in range(3))
     out = attn(q, k, v, mask)
     assert torch.isfinite(out).all()
@@ -183,6 +183,11 @@ def test_padding_never_changes_a_sequence(overrides: dict) -> None:
 def test_invalid_hyperparameters_raise(overrides: dict) -> None:
     with pytest.raises(AttentionError, match="mita"):
         build_attention("mita", num_heads=2, head_dim=16, max_len=64, **overrides)
+
+
+def test_more_landmarks_than_max_len_is_an_error_naming_both() -> None:
+    with pytest.raises(AttentionError, match=r"landmarks=65 is more than the 64 tokens"):
+        build_attention("mita", num_heads=2, head_dim=16, max_len=64, landmarks=65)
 
 
 def test_budget_counts_landmarks_and_keys() -> None:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .bench_env import describe
 from .bench_flops import efficiency
 
 TIMED = ("ok", "estimated")
+# a table cell's text from a point with a time and the index {(backend, length): point}
+CellValue = Callable[[Dict[str, Any], Dict[Any, Dict[str, Any]]], str]
 
 
 def loglog_slope(lengths: Sequence[float], times: Sequence[float]) -> Optional[float]:
@@ -60,15 +62,23 @@ def fmt_count(x: float) -> str:
 
 
 def fmt_time(s: float) -> str:
+    if s >= 3600:
+        return f"{s / 3600:.3g} h"
+    if s >= 100:
+        return f"{s / 60:.3g} min"
     if s >= 1:
         return f"{s:.3g} s"
     return f"{s * 1000:.3g} ms"
 
 
+def fmt_ratio(x: float) -> str:
+    return f"{x:,.0f}x" if x >= 1000 else f"{x:.3g}x"
+
+
 def fmt_mem(mb: Optional[float]) -> str:
     if mb is None:
         return "n/a"
-    return f"{mb / 1024:.3g} GB" if mb >= 1024 else f"{mb:.3g} MB"
+    return f"{mb / 1024:.3g} GB" if mb >= 1000 else f"{mb:.3g} MB"
 
 
 def fmt_slope(s: Optional[float]) -> str:
@@ -81,11 +91,11 @@ def cell(point: Optional[Dict[str, Any]], text: str) -> str:
         return ""
     if point["status"] not in TIMED:
         return f"({point['status']})" if point.get("skipped") else point["status"]
-    return f"~{text}" if point["estimated"] else text
+    return f"~{text}" if point["estimated"] and text != "n/a" else text
 
 
-def grid(record: Dict[str, Any], title: str, value: Any) -> List[str]:
-    """A markdown table: one row per backend, one column per length; ``value(point) -> str``."""
+def grid(record: Dict[str, Any], title: str, value: CellValue) -> List[str]:
+    """A markdown table: one row per backend, one column per length."""
     lengths = record["settings"]["lengths"]
     index = {(p["backend"], p["length"]): p for p in record["points"]}
     lines = [f"**{title}**", "", "| backend | " + " | ".join(fmt_length(n) for n in lengths) + " |",
@@ -100,7 +110,8 @@ def grid(record: Dict[str, Any], title: str, value: Any) -> List[str]:
     return lines + [""]
 
 
-def speedup(mode: str) -> Any:
+def speedup(mode: str) -> CellValue:
+    """Time per sequence of full over that of the backend, at the same length."""
     def value(point: Dict[str, Any], index: Dict[Any, Dict[str, Any]]) -> str:
         if point["backend"] == "full":
             return "1x"
@@ -109,7 +120,7 @@ def speedup(mode: str) -> Any:
             return "n/a"
         ratio = (full[mode]["median_s"] / full["batch"]) / (point[mode]["median_s"] / point["batch"])
         marked = "~" if full["estimated"] and not point["estimated"] else ""
-        return f"{marked}{ratio:.3g}x"
+        return f"{marked}{fmt_ratio(ratio)}"
     return value
 
 
@@ -161,12 +172,13 @@ def efficiency_lines(record: Dict[str, Any]) -> List[str]:
 def markdown(record: Dict[str, Any]) -> str:
     """The record as markdown tables: throughput, time, memory, speedup, slopes, efficiency."""
     lines = header(record)
+    with_full = "full" in record["settings"]["backends"]
     lines += grid(record, "Train throughput (tokens/s)", lambda p, _: fmt_count(p["tokens_per_s"]["train"]))
-    lines += grid(record, "Train speedup over full", speedup("train"))
+    lines += grid(record, "Train speedup over full", speedup("train")) if with_full else []
     lines += grid(record, "Train time (median, spread)",
                   lambda p, _: f"{fmt_time(p['train']['median_s'])} ±{p['train']['spread']:.0%}")
     lines += grid(record, "Forward throughput (tokens/s)", lambda p, _: fmt_count(p["tokens_per_s"]["forward"]))
-    lines += grid(record, "Forward speedup over full", speedup("forward"))
+    lines += grid(record, "Forward speedup over full", speedup("forward")) if with_full else []
     lines += grid(record, f"Peak memory ({memory_kind(record)})", lambda p, _: fmt_mem(p.get("peak_mem_mb")))
     if record["level"] == "model":
         lines += grid(record, "Batch size", lambda p, _: str(p["batch"]))

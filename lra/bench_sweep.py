@@ -4,8 +4,9 @@ Points run shortest length first, every backend at one length before the next, s
 measured side by side. A child that runs out of memory or over its budget is recorded as ``oom``
 or ``timeout``; longer lengths of that backend are then recorded with the same status, marked
 ``skipped``, instead of spending the budget again. At the model level the batch size is searched
-per point: 1, 2, 4, ... until a batch fails, stops gaining ``min_gain`` throughput, or reaches
-``max_batch``; every trial is kept in ``batch_search`` and the best one is the point.
+per point: 1, 2, 4, ... until a batch fails, stops gaining ``min_gain`` throughput, reaches
+``max_batch`` or is estimated (an estimate is linear in the batch); every trial is kept in
+``batch_search`` and the best one is the point.
 """
 from __future__ import annotations
 
@@ -124,6 +125,9 @@ def search_batch(settings: Settings, backend: str, length: int, workdir: Path) -
         if rate > previous:
             best = {**result, "batch": batch}
         if previous and rate < (1 + settings.min_gain) * previous:
+            break
+        # an estimate is linear in the batch: a larger batch cannot show a gain
+        if result["status"] == "estimated":
             break
         batch *= 2
     # when batch 1 already failed, that failure is the point

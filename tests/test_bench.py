@@ -189,3 +189,25 @@ def test_flop_counts_grow_with_the_cost_exponent(backend: str, exponent: int) ->
     small, large = attention_flops(backend, 2**14, 32, {}), attention_flops(backend, 2**16, 32, {})
     assert math.log(large[0] / small[0], 4) == pytest.approx(exponent)
     assert large[1] > 2 * large[0]
+
+
+def test_batch_search_stops_at_an_estimate_and_at_no_gain(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from lra import bench_sweep
+
+    def fake_child(spec: Dict[str, Any], _workdir: Path) -> Dict[str, Any]:
+        # throughput: estimated points are linear in the batch; ok points gain up to batch 4
+        seconds = spec["batch"] * (1.0 if spec["backend"] == "full" else 1.0 / min(spec["batch"], 4))
+        stats = {"median_s": seconds}
+        status = "estimated" if spec["backend"] == "full" else "ok"
+        return {"status": status, "estimated": status == "estimated", "forward": stats, "train": stats}
+
+    monkeypatch.setattr(bench_sweep, "run_child", fake_child)
+    settings = Settings(
+        level="model", backends=["full"], lengths=[1024], device="cpu", dtype="float32", batch=None,
+        heads=2, head_dim=16, layers=1, width=32, ffn_dim=32, dropout=0.0, budget_s=1.0, max_mem_gb=None,
+        warmup=1, repeats=1, estimate="auto", slice_queries=256, threads=1, gemm_size=0, max_batch=64, min_gain=0.05,
+    )
+    estimated = bench_sweep.search_batch(settings, "full", 1024, tmp_path)
+    assert [t["batch"] for t in estimated["batch_search"]] == [1] and estimated["batch"] == 1
+    gaining = bench_sweep.search_batch(settings, "mita", 1024, tmp_path)
+    assert [t["batch"] for t in gaining["batch_search"]] == [1, 2, 4, 8] and gaining["batch"] == 4

@@ -52,6 +52,9 @@ class TrainConfig:
     # the final test on the best checkpoint covers test_batches batches (0 = the whole test split)
     test_batches: int = 0
     grad_clip: float = 1.0
+    # label-preserving augmentation of training batches: none, or dihedral (images whose label
+    # survives rotations and flips: Pathfinder, Path-X)
+    augment: str = "none"
     # write a per-step line to the run's metrics.jsonl every log_every steps
     log_every: int = 10
     # save a resumable checkpoint every checkpoint_every steps (0 = only at the end)

@@ -26,6 +26,7 @@ from attentions import get_attention
 
 from . import checkpoint as ckpt
 from . import distributed
+from .augment import augment, check_augment
 from .config import RunConfig, TrainConfig
 from .errors import UserError
 from .model import LRAModel
@@ -130,6 +131,7 @@ def train(cfg: RunConfig, resume: bool = False, quiet: bool = False) -> Dict[str
     spec = task.spec
     if spec.padded and not get_attention(cfg.attn).supports_mask:
         raise UserError(f"attention {cfg.attn!r} cannot honour a padding mask, and task {cfg.task!r} is padded")
+    check_augment(tc.augment, spec)
     # rank 0 generates or caches the data first; the others then read the cache
     splits = task.load(cfg.data) if d.main else None
     distributed.barrier(d)
@@ -204,8 +206,10 @@ def train(cfg: RunConfig, resume: bool = False, quiet: bool = False) -> Dict[str
         while state["step"] < tc.steps:
             step = state["step"]
             t0 = time.perf_counter()
-            idx = batch_indices(step, len(train_split), tc.batch_size, cfg.seed)[d.rank * local : (d.rank + 1) * local]
+            rows = slice(d.rank * local, (d.rank + 1) * local)
+            idx = batch_indices(step, len(train_split), tc.batch_size, cfg.seed)[rows]
             tokens, lengths, labels = to_device(train_split, idx, device)
+            tokens = augment(tc.augment, tokens, spec, cfg.seed, step, tc.batch_size, rows)
             lr = lr_at(step, tc)
             for group in optimizer.param_groups:
                 group["lr"] = lr

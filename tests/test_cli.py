@@ -44,6 +44,8 @@ BAD = {
     "no-data": (["--task", "listops", "--attn", "full", "--data-dir", "empty"], "lra-data generate listops"),
     "missing-dir": (["--task", "listops", "--attn", "full", "--data-dir", "nowhere"], "is not a folder"),
     "missing-arg": (["--task", "listops"], "the following arguments are required: --attn"),
+    "augment-listops": (["--task", "listops", "--attn", "full", "--set", "train.augment=dihedral"],
+                        "train.augment=dihedral needs a task"),
 }
 
 

@@ -39,6 +39,10 @@ class TaskSpec:
     dual: bool = False
     # rows can be shorter than max_len, so the model passes a padding mask
     padded: bool = True
+    # images: the side of the square, its pixels in row-major order (0 = not an image)
+    image_side: int = 0
+    # the label survives the 8 rotations and flips of the image (train.augment=dihedral allowed)
+    symmetric: bool = False
 
 
 @dataclass

@@ -194,7 +194,7 @@ def missing_error(data_dir: str, reason: str) -> UserError:
 
 @register_task("image")
 class Image(Task):
-    spec = TaskSpec(name="image", num_classes=10, vocab_size=256, max_len=PIXELS, padded=False)
+    spec = TaskSpec(name="image", num_classes=10, vocab_size=256, max_len=PIXELS, padded=False, image_side=32)
 
     def max_len(self, data: DataConfigLike) -> int:
         if data.max_len not in (0, PIXELS):

@@ -140,7 +140,7 @@ def make_splits(tokens: np.ndarray, labels: np.ndarray, keep: np.ndarray) -> Dic
 
 @register_task("pathfinder")
 class Pathfinder(Task):
-    spec = TaskSpec(name="pathfinder", num_classes=2, vocab_size=256, max_len=1024, dual=False, padded=False)
+    spec = TaskSpec(name="pathfinder", num_classes=2, vocab_size=256, max_len=1024, dual=False, padded=False, image_side=32, symmetric=True)
     generated = True
     side: ClassVar[int] = 32
     # the name `lra-data generate` knows the task by
@@ -231,7 +231,7 @@ class Pathfinder(Task):
 
 @register_task("pathx")
 class PathX(Pathfinder):
-    spec = TaskSpec(name="pathx", num_classes=2, vocab_size=256, max_len=16384, dual=False, padded=False)
+    spec = TaskSpec(name="pathx", num_classes=2, vocab_size=256, max_len=16384, dual=False, padded=False, image_side=128, symmetric=True)
     side: ClassVar[int] = 128
     cli_name: ClassVar[str] = "pathx"
     # about a Path-X image a second per core

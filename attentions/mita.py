@@ -111,13 +111,18 @@ def route(q: torch.Tensor, marks: torch.Tensor, real_marks: torch.Tensor, per_qu
     b, h, n, _ = q.shape
     m = marks.shape[2]
     missing = torch.zeros(real_marks.shape, dtype=q.dtype, device=q.device).masked_fill(~real_marks, float("-inf"))
-    parts = []
+    # the result is made whole before the loop (as in MoBA's gate): small per-chunk results kept
+    # between score-sized temporaries fragment the heap
+    choice = torch.empty(b, h, n, per_query, dtype=torch.long, device=q.device)
     with torch.no_grad():
         # a chunk of queries at a time: the [B, H, chunk, m] scores stay small
-        for part in q.split(max(1, ROUTE_ELEMENTS // (b * h * m)), dim=2):
-            gate = part @ marks.transpose(-1, -2) + missing.view(b, h, 1, m)  # [B, H, chunk, m]
-            parts.append(gate.topk(per_query, dim=-1).indices)
-    choice = torch.cat(parts, dim=2).view(b * h, n, per_query)
+        chunk = max(1, ROUTE_ELEMENTS // (b * h * m))
+        for start in range(0, n, chunk):
+            rows = slice(start, min(start + chunk, n))
+            gate = q[:, :, rows] @ marks.transpose(-1, -2) + missing.view(b, h, 1, m)  # [B, H, chunk, m]
+            choice[:, :, rows] = gate.topk(per_query, dim=-1).indices
+            del gate
+    choice = choice.view(b * h, n, per_query)
     expert = choice + torch.arange(b * h, device=q.device)[:, None, None] * m
     real = real_marks.gather(1, choice.flatten(1)).view_as(choice)
     return torch.where(real, expert, b * h * m)

@@ -53,25 +53,34 @@ def choose_blocks(
     b, h, n, d = q.shape
     blocks = math.ceil(n / block_size)
     pad = blocks * block_size - n
+    per_query = min(topk, blocks)
     real = F.pad(_real_keys(mask, q), (0, pad)).to(k.dtype).view(b, 1, blocks, block_size)
-    chosen, chosen_ok = [], []
+    # the results are made whole before the loop and each chunk's gate is freed before the next: a
+    # loop that kept small per-chunk results between gate-sized temporaries fragmented the heap,
+    # and the resident memory grew by about one gate per chunk, O(N^2 / block_size) in all
+    chosen = torch.empty(b, h, n, per_query, dtype=torch.long, device=q.device)
+    chosen_ok = torch.empty(b, h, n, per_query, dtype=torch.bool, device=q.device)
     with torch.no_grad():
         sums = (F.pad(k, (0, 0, 0, pad)).view(b, h, blocks, block_size, d) * real[..., None]).sum(-2)
         counts = real.sum(-1)  # [B, 1, blocks]
         means = sums / counts.clamp(min=1)[..., None]  # [B, H, blocks, D]: mean over real keys
+        empty = (counts == 0)[:, :, None, :]  # [B, 1, 1, blocks]
+        any_empty = bool(empty.any())
         # a chunk of queries at a time: the [B, H, chunk, blocks] gate stays small
         chunk = max(1, GATE_ELEMENTS // (b * h * blocks))
         for start in range(0, n, chunk):
-            gate = q[:, :, start : start + chunk] @ means.transpose(-1, -2)  # [B, H, chunk, blocks]
+            rows = slice(start, min(start + chunk, n))
+            gate = q[:, :, rows] @ means.transpose(-1, -2)  # [B, H, chunk, blocks]
             if include_own:
-                own = torch.arange(start, start + gate.shape[2], device=q.device) // block_size
-                gate = gate.scatter(-1, own.expand(b, h, -1)[..., None], float("inf"))
+                own = torch.arange(rows.start, rows.stop, device=q.device) // block_size
+                gate.scatter_(-1, own.expand(b, h, -1)[..., None], float("inf"))
             # an all-padding block is never chosen, not even as a padded query's own block
-            gate = gate.masked_fill(counts[:, :, None, :] == 0, float("-inf"))
-            top, index = gate.topk(min(topk, blocks), dim=-1, sorted=False)  # [B, H, chunk, topk']
-            chosen.append(index)
-            chosen_ok.append(top > float("-inf"))
-    return torch.cat(chosen, dim=2), torch.cat(chosen_ok, dim=2)
+            if any_empty:
+                gate.masked_fill_(empty, float("-inf"))
+            top, index = gate.topk(per_query, dim=-1, sorted=False)  # [B, H, chunk, topk']
+            chosen[:, :, rows] = index
+            chosen_ok[:, :, rows] = top > float("-inf")
+    return chosen, chosen_ok
 
 
 def reference(

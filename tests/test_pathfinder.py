@@ -1,6 +1,7 @@
 """Pathfinder-32 / Path-X: the generator's labels, markers and seeding; the reader on official-layout fixtures."""
 from __future__ import annotations
 
+import math
 from collections import deque
 from pathlib import Path
 from typing import List, Tuple
@@ -79,6 +80,31 @@ def test_paddle_is_a_line_of_paddle_length_from_its_start() -> None:
     row = image[60]
     assert row[60 : 60 + p.paddle_length + 1].min() > 0.5 and row[:57].max() == 0 and row[68:].max() == 0
     assert image.max() <= 0.9 + 1e-9
+
+
+class FixedAngle:
+    """A stand-in random generator whose integers() always draws ``value``."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def integers(self, *args: int) -> int:
+        return self.value
+
+
+def test_seeds_fail_where_the_originals_cv2_dilation_leaves_a_cell_without_taps() -> None:
+    p = gen.lra_params(32, LEVEL)
+    # pointing right, the seed's element lies one row below its anchor: no tap of a bottom-row cell
+    # is inside, cv2.dilate writes -DBL_MAX there and the original then finds no free cell at all
+    assert gen.seed_offsets(0.0, p, 1) == ((1, 1), (1, 2), (1, 3))
+    assert gen.seed_blind(0.0, p, 1)
+    assert gen.seed_paddle(FixedAngle(0), np.zeros((32, 32)), p, 1, 2.0) is None
+    # with the original under OpenCV, only 30 orientations, -150..-121 degrees, ever seed at 32 px
+    seeding = [d for d in range(-180, 180) if not gen.seed_blind(d * math.pi / 180, p, 1)]
+    assert seeding == list(range(-150, -120))
+    # paddles are float32, as the original's PIL "F" canvases; it decides ties when scaling to 0-255
+    pad = gen.paddle((32, 32), (10, 10), 0.0, p, 1, 1.5)
+    assert pad.line.dtype == np.float32 and pad.mask.dtype == np.float32
 
 
 def generated(folder: Path) -> List[bytes]:

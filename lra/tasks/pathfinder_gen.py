@@ -2,8 +2,8 @@
 spatial dependencies with horizontal gated recurrent units"; drewlinsley/pathfinder), as LRA used it.
 
 An image holds two target contours of ``contour_length`` paddles (short anti-aliased line segments)
-whose first paddles start ``seed_distance`` apart, then ``budget // (contour_length // 3)`` distractor
-contours of ``contour_length // 3`` paddles. Each next paddle sits on a circle of radius
+whose first paddles start ``seed_distance`` apart, then up to ``budget // (contour_length // 3)``
+distractor contours of ``contour_length // 3`` paddles. Each next paddle sits on a circle of radius
 ``length + margin`` beyond the last one, drawn with weight ``cos(min(continuity * turn, pi/2))**2``
 on free pixels, and is kept only if it does not run into earlier paddles' masks. Two circular markers
 go on the first paddle of one target contour and on the last paddle of the same contour (label 1) or
@@ -16,20 +16,27 @@ distractor budget 20; 128 px: paddle 5, thickness 1.5, margins 2-3, marker 3, se
 continuity 1.8, contrast 0.9, budget 35. The original's quirks are kept: distractors are drawn at the
 contour contrast without the paddle factor (so at 32 px they are brighter than the targets), the
 first target contour's last paddle is never added to the occupancy mask, and the second seed paddle
-is placed without looking at the mask. Single-paddle clutter is off (the LRA wrapper sets
-``use_single_paddles = False``).
+is placed without looking at the mask. A seed fails outright when its structuring element leaves
+an image cell without taps (cv2.dilate's -DBL_MAX border, see ``seed_blind``): at 32 px only
+orientations -150..-121 degrees seed, so a Pathfinder-32 hard image holds about 1.15 distractor
+contours, not 5. Paddles are float32, as the original's PIL "F" canvases, which decides rounding ties
+in the final 0..255 scaling. Single-paddle clutter is off (the LRA wrapper sets
+``use_single_paddles = False``). results/generators/comparison.md compares our images with the
+original's, run with these settings.
 
 Departures: cv2 and scipy are replaced by numpy and PIL (same operations); each image draws from its
 own generator seeded by (seed, window, contour length, batch, index), so the output depends on the
 seed and not on the number of worker processes; paddle stamps are memoised by orientation, and
 the occupancy mask is dilated only at the candidate cells of the next paddle.
 
-Speed, in CPU time on one core of a shared 2-core x86 box (numpy 2.4, Pillow 13): 32 px: 89 images/s
-(curv_baseline), 65 (curv_contour_length_9), 16 (curv_contour_length_14); 128 px: 19 (curv_baseline),
-1.0 (curv_contour_length_14). Most of it goes to redrawing the two target contours until both fit,
-as the original's ``while not success`` loop does (about 40 tries an image at 32 px hard, 300 for
-Path-X). So one level of Pathfinder-32 (200,000 images) costs about 3.5 core-hours and Path-X about
-55 core-hours; ``workers`` divides that.
+Speed, in CPU time on one core of a shared 2-core x86 box (numpy 2.4, Pillow 13): 32 px: 133 images/s
+(curv_baseline), 75 (curv_contour_length_9), 17 (curv_contour_length_14); 128 px (measured before blind
+seeds were made to fail, which touches 6 of 360 orientations there): 19 (curv_baseline), 1.0
+(curv_contour_length_14). Most of it goes to redrawing the two target contours until both fit, as
+the original's ``while not success`` loop does (about 340 tries an image at 32 px hard, most ending
+at the first seed; 300 for Path-X). So one level of Pathfinder-32 (200,000 images) costs about 3.3
+core-hours and Path-X about 55 core-hours; ``workers`` divides that. The original runs at about 1.9
+images/s per core at 32 px hard.
 """
 from __future__ import annotations
 
@@ -137,7 +144,10 @@ def kernel_offsets(kernel: np.ndarray) -> Tuple[Coord, ...]:
 
 
 def dilate(image: np.ndarray, offsets: Sequence[Coord]) -> np.ndarray:
-    """Grey dilation as cv2.dilate: out[y, x] = max of image[y + dy, x + dx]; outside cells are ignored."""
+    """Grey dilation as cv2.dilate: out[y, x] = max of image[y + dy, x + dx]; outside cells are ignored.
+
+    Where every tap is outside, cv2 gives -DBL_MAX and this gives 0; ``seed_blind`` handles that case.
+    """
     h, w = image.shape
     r = max(max(abs(dy), abs(dx)) for dy, dx in offsets)
     # zero padding stands for "outside": every image here is non-negative
@@ -189,8 +199,9 @@ class Paddle:
     """A paddle cut to the image: the window it covers, its drawn line and its occupancy mask there."""
 
     region: Tuple[slice, slice]
-    line: np.ndarray  # [h, w] in [0, contrast]
-    mask: np.ndarray  # [h, w] in [0, 1]
+    # float32, as the original's PIL "F" canvases: the rounding decides ties in the final 0-255 scaling
+    line: np.ndarray  # [h, w] float32 in [0, contrast]
+    mask: np.ndarray  # [h, w] float32 in [0, 1]
 
     def paint(self, image: np.ndarray) -> None:
         np.maximum(image[self.region], self.line, out=image[self.region])
@@ -214,7 +225,8 @@ def paddle(
     ys, xs = max(y0, 0), max(x0, 0)
     ye, xe = min(y0 + line.shape[0], shape[0]), min(x0 + line.shape[1], shape[1])
     cut = (slice(ys - y0, ye - y0), slice(xs - x0, xe - x0))
-    return Paddle((slice(ys, ye), slice(xs, xe)), line[cut] * contrast, mask[cut])
+    line32, mask32 = (line[cut] * contrast).astype(np.float32), mask[cut].astype(np.float32)
+    return Paddle((slice(ys, ye), slice(xs, xe)), line32, mask32)
 
 
 @lru_cache(maxsize=4096)
@@ -339,6 +351,21 @@ def border(shape: Tuple[int, int], width: int) -> np.ndarray:
 
 
 @lru_cache(maxsize=4096)
+def seed_blind(angle: float, p: Params, margin: int) -> bool:
+    """Whether a seed paddle along ``angle`` fails wherever it would go, as in the original.
+
+    The original dilates the mask with the seed's structuring element by cv2.dilate, which writes
+    its border value -DBL_MAX into a cell none of whose taps lies inside the image; the original's
+    find_available_coordinates then sees a negative value and reports no free cell at all. The
+    element sits off its anchor (it is centred on the paddle's head), so this happens for 330 of the
+    360 orientations at 32 px and 6 at 128 px (margin 2): most seeds fail, and Pathfinder-32 images
+    carry about one distractor contour, not the five the budget allows.
+    """
+    shape = (p.window, p.window)
+    return bool((dilate(np.ones(shape), seed_offsets(angle, p, margin)) == 0).any())
+
+
+@lru_cache(maxsize=4096)
 def first_seed_cells(angle: float, p: Params, margin: int) -> Tuple[np.ndarray, np.ndarray]:
     """Free tails for the first target paddle: 2 * seed_distance from the borders, the paddle clear of them."""
     shape = (p.window, p.window)
@@ -351,10 +378,13 @@ def seed_paddle(
 ) -> Optional[Tuple[Tip, Coord]]:
     """A first paddle whose whole footprint avoids the mask (and a 1-cell border): (tip, tail) or None.
 
-    ``first``: the first target paddle, whose tail keeps 2 * seed_distance from the borders.
+    ``first``: the first target paddle, whose tail keeps 2 * seed_distance from the borders. As in
+    the original, an orientation that finds no free cell (or is ``seed_blind``) ends the attempt.
     """
     for _ in range(p.max_paddle_retrial + 1):
         angle = random_angle(rng)
+        if seed_blind(angle, p, margin):
+            return None
         if first:
             ys, xs = first_seed_cells(angle, p, margin)
         else:
@@ -564,7 +594,7 @@ def generate(folder: Path, p: Params, size: int, seed: int, workers: int = 1) ->
     ``folder/imgs/<batch>/sample_<i>.png`` and ``folder/metadata/<batch>.npy``, 1,000 images a batch.
     """
     folder = Path(folder)
-    check_manifest(folder, {"generator": "lra-suite snakes2 port v1", "size": size, "seed": seed, "params": asdict(p)})
+    check_manifest(folder, {"generator": "lra-suite snakes2 port v2", "size": size, "seed": seed, "params": asdict(p)})
     (folder / "metadata").mkdir(exist_ok=True)
     sizes = batch_sizes(size)
     todo = list(jobs(folder, p, seed, sizes, workers))

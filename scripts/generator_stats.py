@@ -20,13 +20,12 @@ level off shows there, while the means barely move).
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError

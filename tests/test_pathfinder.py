@@ -13,7 +13,9 @@ from PIL import Image
 from lra.config import DataConfig
 from lra.errors import UserError
 from lra.tasks import get_task
+from lra.tasks import pathfinder_draw as draw
 from lra.tasks import pathfinder_gen as gen
+from lra.tasks import pathfinder_write as write
 
 LEVEL = "curv_contour_length_14"
 
@@ -36,10 +38,10 @@ def hops_from(pixels: np.ndarray, start: Tuple[int, int], hop: int) -> np.ndarra
 
 @pytest.mark.parametrize("window, count", [(32, 24), (128, 6)], ids=["pathfinder32", "pathx"])
 def test_markers_end_one_contour_for_label_1_and_two_for_label_0(window: int, count: int) -> None:
-    p = gen.lra_params(window, "curv_baseline")
+    p = draw.lra_params(window, "curv_baseline")
     labels = []
     for i in range(count):
-        s = gen.render_sample(gen.image_seed(5, p, 0, i), p)
+        s = gen.render_sample(write.image_seed(5, p, 0, i), p)
         origin, terminal = s.markers
         own, other = s.marker_contours
         labels.append(s.label)
@@ -62,9 +64,9 @@ def test_candidate_dilation_matches_full_dilation() -> None:
     image = rng.random((32, 32)) * (rng.random((32, 32)) < 0.2)
     cells = rng.integers(0, 32, size=(50, 2))
     for radius in (1, 2, 3):
-        offsets = np.asarray(gen.kernel_offsets(gen.disc(radius)))
-        full = gen.dilate(image, offsets)
-        np.testing.assert_array_equal(gen.dilated_at(image, cells, offsets), full[cells[:, 0], cells[:, 1]])
+        offsets = np.asarray(draw.kernel_offsets(draw.disc(radius)))
+        full = draw.dilate(image, offsets)
+        np.testing.assert_array_equal(draw.dilated_at(image, cells, offsets), full[cells[:, 0], cells[:, 1]])
         # dilation by a disc: the maximum over the disc around each cell
         y, x = 10, 0
         ys, xs = np.ogrid[:32, :32]
@@ -72,9 +74,9 @@ def test_candidate_dilation_matches_full_dilation() -> None:
 
 
 def test_paddle_is_a_line_of_paddle_length_from_its_start() -> None:
-    p = gen.lra_params(128, LEVEL)
+    p = draw.lra_params(128, LEVEL)
     # pointing right (angle 0) from (60, 60): lit along row 60 from column 60 to 60 + paddle_length
-    pad = gen.paddle((128, 128), (60, 60), 0.0, p, margin=2, contrast=0.9)
+    pad = draw.paddle((128, 128), (60, 60), 0.0, p, margin=2, contrast=0.9)
     image = np.zeros((128, 128))
     pad.paint(image)
     row = image[60]
@@ -93,17 +95,17 @@ class FixedAngle:
 
 
 def test_seeds_fail_where_the_originals_cv2_dilation_leaves_a_cell_without_taps() -> None:
-    p = gen.lra_params(32, LEVEL)
+    p = draw.lra_params(32, LEVEL)
     # pointing right, the seed's element lies one row below its anchor: no tap of a bottom-row cell
     # is inside, cv2.dilate writes -DBL_MAX there and the original then finds no free cell at all
-    assert gen.seed_offsets(0.0, p, 1) == ((1, 1), (1, 2), (1, 3))
+    assert draw.seed_offsets(0.0, p, 1) == ((1, 1), (1, 2), (1, 3))
     assert gen.seed_blind(0.0, p, 1)
     assert gen.seed_paddle(FixedAngle(0), np.zeros((32, 32)), p, 1, 2.0) is None
     # with the original under OpenCV, only 30 orientations, -150..-121 degrees, ever seed at 32 px
     seeding = [d for d in range(-180, 180) if not gen.seed_blind(d * math.pi / 180, p, 1)]
     assert seeding == list(range(-150, -120))
     # paddles are float32, as the original's PIL "F" canvases; it decides ties when scaling to 0-255
-    pad = gen.paddle((32, 32), (10, 10), 0.0, p, 1, 1.5)
+    pad = draw.paddle((32, 32), (10, 10), 0.0, p, 1, 1.5)
     assert pad.line.dtype == np.float32 and pad.mask.dtype == np.float32
 
 
@@ -113,8 +115,8 @@ def generated(folder: Path) -> List[bytes]:
 
 
 def test_generator_writes_the_official_layout_seeded(tmp_path: Path) -> None:
-    p = gen.lra_params(32, "curv_baseline")
-    a = gen.generate(tmp_path / "a", p, size=40, seed=3, workers=2)
+    p = draw.lra_params(32, "curv_baseline")
+    a = write.generate(tmp_path / "a", p, size=40, seed=3, workers=2)
     lines = (a / "metadata" / "0.npy").read_text().splitlines()
     assert len(lines) == 40
     labels = []
@@ -126,23 +128,23 @@ def test_generator_writes_the_official_layout_seeded(tmp_path: Path) -> None:
             assert img.size == (32, 32) and img.mode == "L"
     assert 12 <= sum(labels) <= 28
     # the same seed gives the same files whatever the number of workers; another seed does not
-    assert generated(gen.generate(tmp_path / "b", p, size=40, seed=3, workers=1)) == generated(a)
-    other = generated(gen.generate(tmp_path / "c", p, size=40, seed=4, workers=1))
+    assert generated(write.generate(tmp_path / "b", p, size=40, seed=3, workers=1)) == generated(a)
+    other = generated(write.generate(tmp_path / "c", p, size=40, seed=4, workers=1))
     assert sum(x != y for x, y in zip(other, generated(a))) > 35
 
 
 def test_generator_refuses_to_mix_sets(tmp_path: Path) -> None:
-    p = gen.lra_params(32, "curv_baseline")
-    gen.generate(tmp_path, p, size=4, seed=0)
+    p = draw.lra_params(32, "curv_baseline")
+    write.generate(tmp_path, p, size=4, seed=0)
     done = (tmp_path / "metadata" / "0.npy").stat().st_mtime_ns
     # a rerun with the same settings finds the batch done and leaves it
-    gen.generate(tmp_path, p, size=4, seed=0)
+    write.generate(tmp_path, p, size=4, seed=0)
     assert (tmp_path / "metadata" / "0.npy").stat().st_mtime_ns == done
     with pytest.raises(UserError, match="other settings"):
-        gen.generate(tmp_path, p, size=4, seed=1)
-    (tmp_path / gen.MANIFEST).unlink()
+        write.generate(tmp_path, p, size=4, seed=1)
+    (tmp_path / write.MANIFEST).unlink()
     with pytest.raises(UserError, match="not made by this generator"):
-        gen.generate(tmp_path, p, size=4, seed=0)
+        write.generate(tmp_path, p, size=4, seed=0)
 
 
 def write_png(path: Path, pixels: np.ndarray) -> None:

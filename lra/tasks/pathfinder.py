@@ -3,8 +3,8 @@
 Each example is a grayscale image read as a sequence of pixel intensities (1,024 tokens at 32x32,
 16,384 for Path-X at 128x128; vocabulary 256, no padding). Images come in the official layout
 ``<level>/metadata/<batch>.npy`` (lines ``imgs/<batch> sample_<i>.png <i> <label> ...``) and
-``<level>/imgs/<batch>/sample_<i>.png``, from our generator (``pathfinder_gen.py``) or the official
-``lra_release`` folder; metadata saved as a NumPy string array is read too. Empty images are skipped,
+``<level>/imgs/<batch>/sample_<i>.png``, from our generator (``pathfinder_gen.py``, written to disk by
+``pathfinder_write.py``) or the official ``lra_release`` folder; metadata saved as a NumPy string array is read too. Empty images are skipped,
 as the PyTorch re-runs did, and the rest split 80/10/10 after a fixed shuffle.
 
 Data is never generated silently (200,000 images take hours); ``lra-data generate`` writes it.
@@ -21,7 +21,7 @@ from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from ..errors import UserError
-from . import pathfinder_gen
+from . import pathfinder_draw, pathfinder_write
 from .base import (
     DataConfigLike,
     DataStatus,
@@ -34,7 +34,7 @@ from .base import (
     search_dirs,
 )
 
-LEVELS = tuple(pathfinder_gen.LEVELS)
+LEVELS = tuple(pathfinder_draw.LEVELS)
 DEFAULT_LEVEL = "curv_contour_length_14"
 # images per level in LRA's release
 FULL_SIZE = 200_000
@@ -209,10 +209,10 @@ class Pathfinder(Task):
         """Write ``data.size`` images (0 = 200,000) of ``data.level`` into ``<data_dir>/pathfinder<side>/<level>/``."""
         level = self.level(data)
         folder = Path(data.data_dir) / self.folder_name / level
-        params = pathfinder_gen.lra_params(self.side, level)
+        params = pathfinder_draw.lra_params(self.side, level)
         size = data.size or FULL_SIZE
         try:
-            return pathfinder_gen.generate(folder, params, size=size, seed=data.seed, workers=max(data.workers, 1))
+            return pathfinder_write.generate(folder, params, size=size, seed=data.seed, workers=max(data.workers, 1))
         except OSError as err:
             raise UserError(f"{self.spec.name}: cannot write generated images under {folder}: {err.strerror}")
 

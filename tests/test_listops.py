@@ -140,8 +140,8 @@ def test_loader_reports_malformed_rows_with_file_and_line(tmp_path: Path) -> Non
 
 
 def test_missing_files_without_generation_name_the_command(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match="lra-data generate listops"):
-        get_task("listops").load(DataConfig(data_dir=str(tmp_path), generate=False))
+    with pytest.raises(UserError, match=r"`lra-data generate listops --data-dir \S+ --size 300`"):
+        get_task("listops").load(DataConfig(data_dir=str(tmp_path), size=300, generate=False))
 
 
 def test_generated_set_loads_and_caches(tmp_path: Path) -> None:

@@ -98,7 +98,7 @@ class ListOps(Task):
             raise UserError(
                 f"listops: no basic_train/val/test.tsv in {data.data_dir}/{self.folder_name(data)} or "
                 f"{data.data_dir}/lra_release/listops-1000; make them with `lra-data generate listops "
-                f"--data-dir {data.data_dir}`" + (f" --size {data.size}" if data.size else "")
+                f"--data-dir {data.data_dir}" + (f" --size {data.size}" if data.size else "") + "`"
             )
         if folder is None:
             try:

@@ -1,4 +1,5 @@
-"""A table of display strings, rendered as Markdown, LaTeX (booktabs) and CSV, written atomically."""
+"""A table of display strings, rendered as Markdown, LaTeX (booktabs) and CSV, written atomically;
+the number formats and the backend row order every table shares."""
 from __future__ import annotations
 
 import csv
@@ -7,7 +8,9 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
+
+from attentions import list_attentions
 
 MISSING = "—"
 
@@ -102,3 +105,29 @@ def write_tables(out: Path, stem: str, tables: List[Table]) -> List[Path]:
     for path, text in files.items():
         write_atomic(path, text.encode("utf-8"))
     return list(files)
+
+
+def backend_order(names: Iterable[str]) -> List[str]:
+    """Registered backends in registry order, then any others named in records."""
+    registered = list_attentions()
+    names = set(names)
+    return [n for n in registered if n in names] + sorted(names - set(registered))
+
+
+def fmt_number(value: Optional[float]) -> str:
+    return MISSING if value is None else f"{value:.2f}"
+
+
+def fmt_duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
+
+
+def fmt_count(value: float) -> str:
+    for limit, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= limit:
+            return f"{value / limit:.3g}{suffix}"
+    return f"{value:.3g}"

@@ -18,12 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from attentions import build_attention, get_attention, list_attentions, load_attention_module
+from attentions import load_attention_module
 
 from .cli import Parser
 from .errors import UserError
 from .record import validate_record
-from .table_format import MISSING, Table, markdown, write_tables
+from .table_format import MISSING, Table, backend_order, fmt_count, fmt_duration, fmt_number, markdown, write_tables
+from .tables_taxonomy import taxonomy_table
+from .tables_throughput import throughput_tables
 
 TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
 # the LRA average leaves Path-X out, as the papers do
@@ -35,7 +37,6 @@ SOURCES = {"tay2021_lra": "Tay et al. 2021", "nystromformer2021": "Xiong et al. 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_FILES = ("published_lra.csv", "published_efficiency.csv")
 # sizes the taxonomy table builds each backend with to ask for its per-query budget
-BUDGET_DIMS = {"num_heads": 1, "head_dim": 16, "max_len": 4096}
 
 
 @dataclass
@@ -124,13 +125,6 @@ def load_records(runs: Path) -> Tuple[List[Dict[str, Any]], List[str]]:
     return list(latest.values()), notes
 
 
-def backend_order(names: Iterable[str]) -> List[str]:
-    """Registered backends in registry order, then any others named in records."""
-    registered = list_attentions()
-    names = set(names)
-    return [n for n in registered if n in names] + sorted(names - set(registered))
-
-
 def grouped(records: List[Dict[str, Any]]) -> Dict[Tuple[str, str, str], List[Dict[str, Any]]]:
     """Records by (preset, attn, task)."""
     groups: Dict[Tuple[str, str, str], List[Dict[str, Any]]] = defaultdict(list)
@@ -147,10 +141,6 @@ def task_list(records: List[Dict[str, Any]]) -> List[str]:
 def average(summaries: Dict[str, Summary]) -> Optional[float]:
     means = [summaries[t].mean if t in summaries else None for t in AVG_TASKS]
     return None if any(m is None for m in means) else statistics.fmean(means)  # type: ignore[arg-type]
-
-
-def fmt_number(value: Optional[float]) -> str:
-    return MISSING if value is None else f"{value:.2f}"
 
 
 def seeds_text(cells: Dict[str, Summary]) -> str:
@@ -215,21 +205,6 @@ def accuracy_table(records: List[Dict[str, Any]], published: List[Dict[str, str]
         f"{MISSING} = not run or not reported (the MiTA paper's per-task numbers are not public). Published rows: {reference}.",
     ]
     return table
-
-
-def fmt_duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.1f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.2f} h"
-
-
-def fmt_count(value: float) -> str:
-    for limit, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if value >= limit:
-            return f"{value / limit:.3g}{suffix}"
-    return f"{value:.3g}"
 
 
 MEMORY_KINDS = {"cpu_peak_rss": "CPU peak RSS", "cuda_max_allocated": "CUDA max allocated"}
@@ -297,83 +272,6 @@ def published_efficiency_table(rows: List[Dict[str, str]], reference: str) -> Ta
                            f"{row['value']} {row['unit']}", row.get("notes", "")])
     table.notes = [f"From {reference}."]
     return table
-
-
-def origin(module: str) -> str:
-    """"built-in", the user's file (relative to the working folder when inside it), or the entry point's module."""
-    if module.startswith("attentions."):
-        return "built-in"
-    path = getattr(sys.modules.get(module), "__file__", None)
-    if path is None:
-        return f"{module} (entry point)"
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
-
-
-def taxonomy_table() -> Table:
-    dims = ", ".join(f"{k}={v}" for k, v in BUDGET_DIMS.items())
-    table = Table("Where each backend sits in the MiTA taxonomy", [
-        "Name", "Paper", "Scaling", "Expert count", "Expert type", "Construction", "Routing",
-        f"Budget (N={BUDGET_DIMS['max_len']})", "Cost", "Mask", "From"])
-    for name in list_attentions():
-        cls = get_attention(name)
-        # a user's backend that cannot be built at these sizes still gets its row
-        try:
-            budget = build_attention(name, **BUDGET_DIMS).budget()
-        except Exception as err:
-            budget = f"(not built: {type(err).__name__}: {err})"
-        tax = cls.taxonomy
-        table.rows.append([name, cls.paper, tax.scaling, tax.expert_count, tax.expert_type, tax.construction,
-                           tax.routing, budget, cls.cost, "yes" if cls.supports_mask else "no", origin(cls.__module__)])
-    table.notes = [f"Generated from the code of every registered backend; budget = keys one query attends to, "
-                   f"at the backend's default settings ({dims}). Mask: honours a padding mask."]
-    return table
-
-
-def throughput_table(path: Path, data: Dict[str, Any]) -> Optional[Table]:
-    """Train tokens/s by backend and length from one lra-bench sweep record; None if it holds no points."""
-    cells: Dict[Tuple[str, int], str] = {}
-    for p in data.get("points") or []:
-        if not isinstance(p, dict):
-            continue
-        backend, length = p.get("backend", p.get("attn")), p.get("length", p.get("n"))
-        if backend is None or not isinstance(length, int):
-            continue
-        rate = p.get("tokens_per_s")
-        rate = rate.get("train") if isinstance(rate, dict) else rate
-        status = str(p.get("status", "ok"))
-        if isinstance(rate, (int, float)) and status in ("ok", "estimated"):
-            cells[(backend, length)] = ("~" if p.get("estimated") else "") + fmt_count(rate)
-        else:
-            cells[(backend, length)] = f"({status})" if p.get("skipped") else status
-    if not cells:
-        return None
-    lengths = sorted({n for _, n in cells})
-    hw = data.get("hardware")
-    device = (hw.get("gpu") or hw.get("cpu_model") or "") if isinstance(hw, dict) else ""
-    level = f", {data['level']} level" if data.get("level") else ""
-    table = Table(f"Train throughput (tokens/s): {path.parent.name}/{path.name}{level}" + (f", {device}" if device else ""),
-                  ["Backend", *(f"N={n:,}" for n in lengths)])
-    for backend in backend_order(b for b, _ in cells):
-        table.rows.append([backend, *(cells.get((backend, n), MISSING) for n in lengths)])
-    table.notes = ["~ = estimated; oom / timeout = the point did not fit; (status) = not run after a shorter length failed."]
-    return table
-
-
-def throughput_tables(folder: Path) -> List[Table]:
-    """One table per sweep record under ``folder`` (any ``*.json`` holding a "points" list)."""
-    tables = []
-    for path in sorted(folder.glob("**/*.json")) if folder.is_dir() else []:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        table = throughput_table(path, data) if isinstance(data, dict) and isinstance(data.get("points"), list) else None
-        if table is not None:
-            tables.append(table)
-    return tables
 
 
 def shown(path: Optional[Path]) -> str:

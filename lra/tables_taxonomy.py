@@ -1,0 +1,48 @@
+"""The taxonomy table: where every registered backend sits in the MiTA paper's five dimensions.
+
+Generated from the code (each backend's ``paper``, ``taxonomy``, ``cost`` and budget at its defaults),
+so a backend added in one file, or loaded from a user's file, gets its row.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from attentions import build_attention, get_attention, list_attentions
+
+from .table_format import Table
+
+BUDGET_DIMS = {"num_heads": 1, "head_dim": 16, "max_len": 4096}
+
+
+def origin(module: str) -> str:
+    """"built-in", the user's file (relative to the working folder when inside it), or the entry point's module."""
+    if module.startswith("attentions."):
+        return "built-in"
+    path = getattr(sys.modules.get(module), "__file__", None)
+    if path is None:
+        return f"{module} (entry point)"
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def taxonomy_table() -> Table:
+    dims = ", ".join(f"{k}={v}" for k, v in BUDGET_DIMS.items())
+    table = Table("Where each backend sits in the MiTA taxonomy", [
+        "Name", "Paper", "Scaling", "Expert count", "Expert type", "Construction", "Routing",
+        f"Budget (N={BUDGET_DIMS['max_len']})", "Cost", "Mask", "From"])
+    for name in list_attentions():
+        cls = get_attention(name)
+        # a user's backend that cannot be built at these sizes still gets its row
+        try:
+            budget = build_attention(name, **BUDGET_DIMS).budget()
+        except Exception as err:
+            budget = f"(not built: {type(err).__name__}: {err})"
+        tax = cls.taxonomy
+        table.rows.append([name, cls.paper, tax.scaling, tax.expert_count, tax.expert_type, tax.construction,
+                           tax.routing, budget, cls.cost, "yes" if cls.supports_mask else "no", origin(cls.__module__)])
+    table.notes = [f"Generated from the code of every registered backend; budget = keys one query attends to, "
+                   f"at the backend's default settings ({dims}). Mask: honours a padding mask."]
+    return table

@@ -145,6 +145,13 @@ class GroupedAttention(torch.autograd.Function):
         tiling: Tiling,
         with_lse: bool,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
+        # the inputs share one dtype (grouped_attention casts them); autocast would turn the chunk
+        # products to bf16 against float32 output buffers, so the Function runs in that dtype as given
+        with torch.autocast(q.device.type, enabled=False):
+            return GroupedAttention._forward(ctx, q, keys, values, shared_keys, shared_values, experts, tiling, with_lse)
+
+    @staticmethod
+    def _forward(ctx, q, keys, values, shared_keys, shared_values, experts, tiling, with_lse):
         q_tiles = tiling.to_tiles(q)  # [T, tile, D]
         out = torch.empty_like(q_tiles)
         lse = q.new_empty(q_tiles.shape[:2])  # [T, tile]
@@ -160,9 +167,14 @@ class GroupedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out: torch.Tensor, d_lse: torch.Tensor):
+        with torch.autocast(d_out.device.type, enabled=False):
+            return GroupedAttention._backward(ctx, d_out, d_lse)
+
+    @staticmethod
+    def _backward(ctx, d_out: torch.Tensor, d_lse: torch.Tensor):
         q_tiles, keys, values, shared_keys, shared_values, out = ctx.saved_tensors
         experts, tiling = ctx.experts, ctx.tiling
-        d_out = tiling.to_tiles(d_out)  # [T, tile, D]
+        d_out = tiling.to_tiles(d_out.to(out.dtype))  # [T, tile, D]
         # softmax backward: d logits = p * (d_out . v - d_out . out + d_lse), as d lse / d logits = p
         offset = (d_out * out).sum(-1).neg_()  # [T, tile]
         if ctx.with_lse:
@@ -210,6 +222,11 @@ def grouped_attention(
         if shared_ok is None:
             shared_ok = torch.ones(shared_keys.shape[:2], dtype=torch.bool, device=q.device)
     experts = Experts(key_ok=key_ok, shared_ok=shared_ok, group=group)
+    # one dtype for the Function: q's (under autocast the projections give bf16 q, k, v, while tables
+    # built from them by float32 ops, such as landmark pooling, may not be)
+    keys, values = keys.to(q.dtype), values.to(q.dtype)
+    if shared_keys is not None:
+        shared_keys, shared_values = shared_keys.to(q.dtype), shared_values.to(q.dtype)
     shared_keys = None if shared_keys is None else shared_keys * scale
     return GroupedAttention.apply(q, keys * scale, values, shared_keys, shared_values, experts, tiling, with_lse)
 

@@ -28,14 +28,28 @@ def real_lengths(mask: Optional[torch.Tensor], batch: int, n: int, device: torch
 
 
 def adaptive_pool(x: torch.Tensor, bins: int) -> torch.Tensor:
-    """Adaptive average pool along the sequence with torch's bin rule.
+    """Adaptive average pool along the sequence with torch's bin rule (F.adaptive_avg_pool1d's).
 
     x: [B, H, n, D] -> [B, H, bins, D]; bin j covers floor(j*n/bins) .. ceil((j+1)*n/bins) - 1.
+    Written out rather than calling F.adaptive_avg_pool1d, whose CUDA kernel fails an internal
+    assertion ("Couldn't reduce launch bounds") on long sequences (64K tokens, torch 2.11, H200).
     """
     b, h, n, d = x.shape
-    flat = x.reshape(b * h, n, d).transpose(1, 2)  # [B*H, D, n]
-    pooled = F.adaptive_avg_pool1d(flat, bins)  # [B*H, D, bins]
-    return pooled.transpose(1, 2).reshape(b, h, bins, d)
+    if n % bins == 0:
+        # equal bins, no overlap: a reshape
+        return x.reshape(b, h, bins, n // bins, d).mean(dim=3, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)
+    j = torch.arange(bins, device=x.device)
+    starts = j * n // bins  # [bins]
+    ends = -((-(j + 1) * n) // bins)  # [bins] ceil((j+1) n / bins)
+    width = int((ends - starts).max())
+    offsets = torch.arange(width, device=x.device)  # [W]
+    inside = offsets[None, :] < (ends - starts)[:, None]  # [bins, W]
+    index = (starts[:, None] + offsets[None, :]).clamp_max(n - 1)  # [bins, W]
+    # accumulate in float32 at least (bf16 sums of long bins lose digits)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    gathered = x[:, :, index.flatten()].reshape(b, h, bins, width, d).to(acc)  # [B, H, bins, W, D]
+    weights = inside.to(acc) / inside.sum(dim=1, keepdim=True).to(acc)  # [bins, W]
+    return (gathered * weights[None, None, :, :, None]).sum(dim=3).to(x.dtype)
 
 
 def pool_real(x: torch.Tensor, mask: Optional[torch.Tensor], bins: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -63,6 +77,6 @@ def pool_real(x: torch.Tensor, mask: Optional[torch.Tensor], bins: int) -> Tuple
         rows = (lengths == length).nonzero(as_tuple=True)[0]
         m = min(bins, length)
         part = adaptive_pool(x[rows, :, :length], m)  # [b', H, m, D]
-        pooled = pooled.index_copy(0, rows, F.pad(part, (0, 0, 0, bins - m)))
+        pooled = pooled.index_copy(0, rows, F.pad(part, (0, 0, 0, bins - m)).to(pooled.dtype))
         bin_mask[rows, :m] = True
     return pooled, bin_mask

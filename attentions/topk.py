@@ -49,7 +49,8 @@ def chunk_attention(
         scores = scores + key_bias
     top, index = scores.topk(keys, dim=-1, sorted=False)  # [B, H, C, keys]
     # the k weights laid back into a [C, N] row: one dense matmul beats gathering k values per query
-    weights = torch.zeros_like(scores).scatter(-1, index, top.softmax(dim=-1))  # [B, H, C, N]
+    # (CUDA autocast gives the softmax in float32 and the scores in bf16: scatter wants one dtype)
+    weights = torch.zeros_like(scores).scatter(-1, index, top.softmax(dim=-1).to(scores.dtype))  # [B, H, C, N]
     return weights @ v
 
 

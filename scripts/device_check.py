@@ -1,0 +1,225 @@
+"""Every backend on an accelerator against the same module on the CPU in float32.
+
+The CPU tests check each backend's fast path against its plain reference; this checks that the
+paths an accelerator takes (CUDA kernels, SDPA's fused backends, bf16 autocast as the trainer uses
+it) compute the same thing. For each registered backend, with one set of weights:
+
+  fp32    the module on the device in float32 vs on the CPU: outputs and q/k/v gradients
+  bf16    the module on the device under bf16 autocast (the trainer's mixed precision) vs the CPU
+          float32 result
+  padding under bf16 autocast, each padded row's output vs the same sequence run alone
+
+Errors are per query row: |got - ref|_max / |ref|_max over the row. Dense backends must keep every
+row within tolerance. Routing backends (top-k, MoBA, MiTA) may pick a different key, block or
+expert when rounding reorders two nearly equal scores, so for them the check reports the share of
+rows within tolerance and fails when fewer than MIN_AGREEING are or the median row is off.
+
+    python scripts/device_check.py --out results/device-check   # default device: cuda
+
+``--device cpu`` runs the same comparison on the CPU, which is how the test suite exercises this
+script without an accelerator. CPU autocast keeps softmax, exp, sum and the other reductions in
+bf16 where CUDA autocast computes them in float32, so on the CPU the check adds CUDA's float32 rule
+(CudaAutocastRules): the mixed-dtype mistakes that only CUDA would show (a bf16 tensor scattered
+with a float32 softmax, say) fail on the CPU too.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from attentions import build_attention, get_attention, list_attentions  # noqa: E402
+from lra.bench_env import hardware, versions  # noqa: E402
+
+ROUTING = {"topk", "moba", "mita"}
+TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
+# routing backends: share of rows that must agree, and the median row error they must keep (the rest
+# picked a different key, block or expert under rounding; measured on the CPU at the defaults, N=256:
+# 90% of top-k rows and 95% of MiTA's outputs agree in bf16, 81% of MiTA's k/v gradient rows)
+MIN_AGREEING = 0.75
+MAX_MEDIAN = {"fp32": 1e-5, "bf16": 2e-2}
+
+
+# ops that CUDA autocast runs in float32 (torch.amp docs, "CUDA Ops that can autocast to float32")
+CUDA_FP32_OPS = {
+    "softmax", "log_softmax", "softmin", "exp", "expm1", "log", "log1p", "sum", "prod", "cumsum", "cumprod",
+    "pow", "__pow__", "norm", "normalize", "layer_norm", "group_norm", "rsqrt", "reciprocal", "softplus",
+    "cross_entropy", "nll_loss",
+}
+
+
+class CudaAutocastRules(TorchFunctionMode):
+    """On the CPU under bf16 autocast: give the ops CUDA autocast runs in float32 float32 results."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # as CUDA autocast: only where autocast is on (a region may turn it off)
+        if not torch.is_autocast_enabled("cpu"):
+            return out
+        if getattr(func, "__name__", "") in CUDA_FP32_OPS and isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16:
+            return out.float()
+        return out
+
+
+def row_errors(got: torch.Tensor, ref: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Per-row relative error over the real rows. [B, H, N, D] x 2, rows [B, N] -> [R]."""
+    got, ref = got.detach().float().cpu(), ref.detach().float().cpu()
+    diff = (got - ref).abs().amax(dim=-1)  # [B, H, N]
+    scale = ref.abs().amax(dim=-1).clamp_min(1e-6)  # [B, H, N]
+    err = diff / scale
+    err[~torch.isfinite(got).all(dim=-1)] = float("inf")  # never within tolerance
+    return err.transpose(1, 2)[rows].flatten()  # [R*H]
+
+
+def lengths_mask(lengths: List[int], n: int) -> torch.Tensor:
+    return torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]  # [B, N]
+
+
+def run(attn: torch.nn.Module, qkv: List[torch.Tensor], mask: Optional[torch.Tensor], device: torch.device,
+        autocast: bool) -> Dict[str, torch.Tensor]:
+    """Output and q/k/v gradients of sum(out * w) for a fixed random w, on ``device``.
+
+    Under autocast q, k, v arrive in bf16, as the model's projections give them in training."""
+    dtype = torch.bfloat16 if autocast else torch.float32
+    q, k, v = (x.detach().to(device, dtype).requires_grad_() for x in qkv)
+    m = None if mask is None else mask.to(device)
+    rules = CudaAutocastRules() if autocast and device.type == "cpu" else contextlib.nullcontext()
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast), rules:
+        out = attn(q, k, v, m)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device)
+    (out.float() * w).sum().backward()
+    return {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def verdict(name: str, errs: Dict[str, torch.Tensor], tol: float, max_median: float) -> Dict[str, object]:
+    """PASS/FAIL from per-row errors: every row for dense backends, MIN_AGREEING for routing ones."""
+    summary: Dict[str, object] = {}
+    ok = True
+    for key, err in errs.items():
+        agreeing = float((err <= tol).float().mean())
+        summary[key] = {"max_row_err": float(err.max()), "median_row_err": float(err.median()), "agreeing": agreeing}
+        if name in ROUTING:
+            ok = ok and agreeing >= MIN_AGREEING and float(err.median()) <= max_median
+        else:
+            ok = ok and agreeing == 1.0
+    summary["status"] = "PASS" if ok else "FAIL"
+    return summary
+
+
+def check_backend(name: str, device: torch.device, n: int, seed: int) -> Dict[str, object]:
+    b, h, d = 3, 2, 32
+    torch.manual_seed(seed)
+    cpu_attn = build_attention(name, num_heads=h, head_dim=d, max_len=n).eval()
+    dev_attn = copy.deepcopy(cpu_attn).to(device)
+    gen = torch.Generator().manual_seed(seed)
+    qkv = [torch.randn(b, h, n, d, generator=gen) for _ in range(3)]
+    supports_mask = get_attention(name).supports_mask
+    lengths = [n, 29 * n // 64, 7 * n // 64]
+    mask = lengths_mask(lengths, n) if supports_mask else None
+    rows = mask if mask is not None else torch.ones(b, n, dtype=torch.bool)
+    ref = run(cpu_attn, qkv, mask, torch.device("cpu"), autocast=False)
+    result: Dict[str, object] = {"backend": name, "masked": supports_mask}
+    for label, autocast in (("fp32", False), ("bf16", True)):
+        got = run(dev_attn, qkv, mask, device, autocast)
+        errs = {"out": row_errors(got["out"], ref["out"], rows)}
+        for g in ("dq", "dk", "dv"):
+            # gradient rows: every real position of q / k / v
+            errs[g] = row_errors(got[g], ref[g], rows)
+        result[label] = verdict(name, errs, TOLERANCE[label], MAX_MEDIAN[label])
+    if supports_mask:
+        # each padded row alone, unpadded, on the device under autocast: the padding must not leak
+        padded = run(dev_attn, qkv, mask, device, autocast=True)["out"]
+        worst = 0.0
+        for i, length in enumerate(lengths[1:], start=1):
+            alone = [x[i : i + 1, :, :length] for x in qkv]
+            out = run(dev_attn, alone, None, device, autocast=True)["out"]
+            err = row_errors(padded[i : i + 1, :, :length], out, torch.ones(1, length, dtype=torch.bool))
+            worst = max(worst, float(err.max()) if name not in ROUTING else float(err.median()))
+        result["padding"] = {"worst_row_err": worst, "status": "PASS" if worst <= TOLERANCE["bf16"] else "FAIL"}
+    return result
+
+
+def sdpa_flash_check(device: torch.device, n: int) -> Dict[str, object]:
+    """The benchmarks' FlashAttention stand-in (SDPA restricted to its flash kernel) vs float32 math."""
+    from lra.bench_workloads import FlashFull
+    from attentions.full import reference
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, n, 32, generator=gen) for _ in range(3))
+    flash = FlashFull()
+    out = flash(*(x.to(device, torch.bfloat16) for x in (q, k, v)))
+    ref = reference(q.double(), k.double(), v.double()).float()
+    err = row_errors(out, ref, torch.ones(1, n, dtype=torch.bool))
+    return {"kernel": flash.kernel, "length": n, "max_row_err": float(err.max()),
+            "status": "PASS" if float(err.max()) <= TOLERANCE["bf16"] else "FAIL"}
+
+
+def table(results: List[Dict[str, object]]) -> str:
+    lines = ["| backend | fp32 out / grads max row err | bf16 out max row err | bf16 rows agreeing (out) | padding | status |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['backend']} | error: {r['error']} | | | | FAIL |")
+            continue
+        fp32, bf16 = r["fp32"], r["bf16"]
+        grads = max(fp32[g]["max_row_err"] for g in ("dq", "dk", "dv"))
+        status = "PASS" if all(x.get("status", "PASS") == "PASS" for x in (fp32, bf16, r.get("padding", {}))) else "FAIL"
+        pad = r.get("padding", {}).get("worst_row_err")
+        lines.append(
+            f"| {r['backend']} | {fp32['out']['max_row_err']:.1e} / {grads:.1e} | {bf16['out']['max_row_err']:.1e} | "
+            f"{bf16['out']['agreeing']:.1%} | {'n/a' if pad is None else f'{pad:.1e}'} | {status} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", help="device to check (default cuda)")
+    parser.add_argument("--length", type=int, default=256, help="sequence length of the comparison (default 256)")
+    parser.add_argument("--flash-length", type=int, default=4096, help="length of the SDPA-flash check on CUDA")
+    parser.add_argument("--attn", default="", help="comma-separated backends (default: every registered one)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="", help="folder for check.json and check.md (default: print only)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but no CUDA device is visible; use --device cpu", file=sys.stderr)
+        return 2
+    names = [a for a in args.attn.split(",") if a] or list_attentions()
+    unknown = sorted(set(names) - set(list_attentions()))
+    if unknown:
+        print(f"error: unknown backend(s) {', '.join(unknown)}; valid: {', '.join(list_attentions())}", file=sys.stderr)
+        return 2
+    results = []
+    for name in names:
+        try:
+            results.append(check_backend(name, device, args.length, args.seed))
+        except Exception as err:  # noqa: BLE001 - a backend that crashes is a result, the others still run
+            results.append({"backend": name, "error": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"})
+        print(table(results[-1:]).splitlines()[-1], flush=True)
+    flash = sdpa_flash_check(device, args.flash_length) if device.type == "cuda" else None
+    record = {"hardware": hardware(device), "versions": versions(), "length": args.length,
+              "tolerance": TOLERANCE, "min_agreeing_routing": MIN_AGREEING, "backends": results, "sdpa_flash": flash}
+    md = table(results) + ("" if flash is None else f"\n\nSDPA flash kernel ({flash['kernel']}), N={flash['length']}, "
+                           f"bf16 vs float64 math: max row err {flash['max_row_err']:.1e}, {flash['status']}")
+    print(md)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "check.json").write_text(json.dumps(record, indent=1))
+        (out / "check.md").write_text(md + "\n")
+    failed = [r["backend"] for r in results if "error" in r or "FAIL" in json.dumps(r)]
+    return 1 if failed or (flash is not None and flash["status"] == "FAIL") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

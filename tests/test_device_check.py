@@ -1,0 +1,60 @@
+"""scripts/device_check.py on the CPU (bf16 autocast on the CPU stands in for an accelerator), and
+every backend under autocast with float32 inputs, the case that broke the grouped kernel of MoBA
+and MiTA before its Function ran in one dtype."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from attentions import build_attention, list_attentions
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "device_check.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_backend_passes_on_cpu(tmp_path: Path) -> None:
+    assert load_script().main(["--device", "cpu", "--length", "128", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "check.json").read_text())
+    assert [b["backend"] for b in record["backends"]] == list_attentions()
+    for backend in record["backends"]:
+        assert backend["fp32"]["status"] == "PASS" and backend["bf16"]["status"] == "PASS", backend["backend"]
+        # the same module on the same device in float32 is exact; bf16 is not
+        assert backend["fp32"]["out"]["max_row_err"] < 1e-5
+        assert backend["bf16"]["out"]["median_row_err"] > 0
+    assert "| mita |" in (tmp_path / "check.md").read_text()
+
+
+def test_verdict_fails_a_dense_backend_off_by_one_row() -> None:
+    script = load_script()
+    errs = {"out": torch.tensor([1e-3] * 99 + [0.2])}
+    assert script.verdict("full", errs, 5e-2, 2e-2)["status"] == "FAIL"
+    assert script.verdict("topk", errs, 5e-2, 2e-2)["status"] == "PASS"
+    assert script.verdict("topk", {"out": torch.full((10,), 0.1)}, 5e-2, 2e-2)["status"] == "FAIL"
+
+
+def test_unknown_backend_is_exit_2(capsys: pytest.CaptureFixture) -> None:
+    assert load_script().main(["--device", "cpu", "--attn", "nope"]) == 2
+    assert "unknown backend(s) nope; valid:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", list_attentions())
+def test_float32_inputs_under_autocast(name: str) -> None:
+    torch.manual_seed(0)
+    attn = build_attention(name, num_heads=2, head_dim=16, max_len=64)
+    q, k, v = (torch.randn(2, 2, 64, 16, requires_grad=True) for _ in range(3))
+    mask = torch.arange(64)[None, :] < torch.tensor([64, 30])[:, None]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attn(q, k, v, mask if attn.supports_mask else None)
+    out.float().sum().backward()
+    assert out.shape == (2, 2, 64, 16) and bool(out.isfinite().all())
+    assert all(bool(t.grad.isfinite().all()) for t in (q, k, v))

@@ -147,6 +147,26 @@ def test_generator_refuses_to_mix_sets(tmp_path: Path) -> None:
         write.generate(tmp_path, p, size=4, seed=0)
 
 
+def test_unfinished_generation_is_refused_not_read(tmp_path: Path) -> None:
+    """A folder whose generator.json promises more images than its metadata lists is still being
+    written (or was interrupted): reading it would train on a fraction of the set."""
+    folder = tmp_path / "pathfinder32" / "curv_baseline"
+    write.generate(folder, draw.lra_params(32, "curv_baseline"), size=12, seed=0)
+    data = DataConfig(data_dir=str(tmp_path), level="curv_baseline")
+    assert len(get_task("pathfinder").load(data)["train"]) >= 8
+    manifest = folder / write.MANIFEST
+    manifest.write_text(manifest.read_text().replace('"size": 12', '"size": 2000'))
+    assert write.declared_size(folder) == 2000
+    expected = (f"pathfinder: {folder} holds 12 of the 2,000 images its generator.json declares "
+                f"(generation still running or interrupted); finish it with `lra-data generate pathfinder32 "
+                f"--data-dir {tmp_path} --size 2000 --level curv_baseline`")
+    with pytest.raises(UserError) as err:
+        get_task("pathfinder").load(data)
+    assert str(err.value).startswith(expected)
+    status = get_task("pathfinder").status(str(tmp_path))
+    assert not status.present and "generation unfinished, 12 of 2,000 images" in status.missing
+
+
 def write_png(path: Path, pixels: np.ndarray) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(pixels.astype(np.uint8)).save(path)

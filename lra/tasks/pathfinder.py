@@ -193,6 +193,7 @@ class Pathfinder(Task):
         entries = read_metadata(folder)
         if not entries:
             raise UserError(f"{folder}/metadata lists no images; {self.missing_message(data.data_dir, level)}")
+        self.check_finished(folder, level, len(entries), data.data_dir)
         sources = sorted({meta for meta, *_ in entries} | {path.parent for _, _, path, _ in entries})
         settings = {"task": self.spec.name, "level": level, "side": self.side, "split": "rng0-80/10/10-v1"}
         key = cache_key(sources, settings)
@@ -204,6 +205,19 @@ class Pathfinder(Task):
             return make_splits(tokens, labels, keep)
 
         return cached_splits(data.data_dir, f"{self.spec.name}-{level}", key, build)
+
+    def check_finished(self, folder: Path, level: str, listed: int, data_dir: str) -> None:
+        """Refuse a folder of ours whose generation has not finished (still running, or interrupted)."""
+        declared = pathfinder_write.declared_size(folder)
+        if declared is None or listed >= declared:
+            return
+        level_flag = "" if level == DEFAULT_LEVEL else f" --level {level}"
+        raise UserError(
+            f"{self.spec.name}: {folder} holds {listed:,} of the {declared:,} images its "
+            f"{pathfinder_write.MANIFEST} declares (generation still running or interrupted); finish it with "
+            f"`lra-data generate {self.cli_name} --data-dir {data_dir} --size {declared}{level_flag}` "
+            "(finished batches are kept)"
+        )
 
     def generate(self, data: DataConfigLike) -> Path:
         """Write ``data.size`` images (0 = 200,000) of ``data.level`` into ``<data_dir>/pathfinder<side>/<level>/``."""
@@ -224,6 +238,13 @@ class Pathfinder(Task):
             return DataStatus(task=self.spec.name, present=False, missing=self.missing_message(data_dir, DEFAULT_LEVEL))
         # counted from the metadata; the few empty images the loader skips are not subtracted
         n = len(read_metadata(folder))
+        declared = pathfinder_write.declared_size(folder)
+        if declared is not None and n < declared:
+            return DataStatus(
+                task=self.spec.name, present=False,
+                missing=f"{folder}: generation unfinished, {n:,} of {declared:,} images; rerun "
+                f"`lra-data generate {self.cli_name} --data-dir {data_dir} --size {declared}` to finish it",
+            )
         train_end, test_start = split_bounds(n)
         sizes = {"train": train_end, "val": test_start - train_end, "test": n - test_start}
         return DataStatus(task=self.spec.name, present=True, source=str(folder), split_sizes=sizes)

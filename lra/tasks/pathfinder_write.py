@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import asdict
 from multiprocessing import Pool
 from pathlib import Path
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 from PIL import Image
@@ -81,6 +81,15 @@ def check_manifest(folder: Path, manifest: Dict[str, object]) -> None:
         )
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(manifest, indent=1))
+
+
+def declared_size(folder: Path) -> Optional[int]:
+    """The image count our generator.json promises for ``folder``; None for other sets (the release)."""
+    try:
+        size = json.loads((Path(folder) / MANIFEST).read_text()).get("size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return size if isinstance(size, int) else None
 
 
 def write_metadata(folder: Path, batch: int, lines: List[str]) -> None:

@@ -147,6 +147,9 @@ def header(record: Dict[str, Any]) -> List[str]:
         f"budget {s['budget_s']:.0f} s a point{cap}.",
         "`~` = estimated from a slice of the queries against all N keys (cost linear in the queries); "
         "`(status)` = not run, the backend already failed at a shorter length.",
+    ] + ([] if record.get("complete", True) else [
+        "**Incomplete sweep**: it was stopped before every point ran; an empty cell was not measured."
+    ]) + [
         "",
     ]
 

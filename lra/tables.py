@@ -321,7 +321,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if published_eff:
             outputs["efficiency"].append(published_efficiency_table(published_eff, shown(eff_file)))
     outputs["taxonomy"] = [taxonomy_table()]
-    throughput = throughput_tables(Path(args.throughput) if args.throughput else runs.parent / "throughput")
+    throughput = throughput_tables(Path(args.throughput) if args.throughput else runs.parent / "throughput", published_eff)
     if throughput:
         outputs["throughput"] = throughput
 

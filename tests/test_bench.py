@@ -82,6 +82,13 @@ def test_attention_sweep_writes_a_valid_record(tmp_path: Path) -> None:
     (tmp_path / "table.md").unlink()
     assert main(["report", str(tmp_path / "record.json"), "--no-plot"]) == 0
     assert (tmp_path / "table.md").read_text() == table
+    assert "Incomplete sweep" not in table
+    # a sweep stopped part-way (its partial record) says so above its tables
+    partial = json.loads((tmp_path / "record.json").read_text())
+    partial["complete"] = False
+    (tmp_path / "record.json").write_text(json.dumps(partial))
+    assert main(["report", str(tmp_path / "record.json"), "--no-plot"]) == 0
+    assert "**Incomplete sweep**: it was stopped before every point ran" in (tmp_path / "table.md").read_text()
 
 
 def test_out_of_budget_and_out_of_memory_points_are_recorded(tmp_path: Path) -> None:

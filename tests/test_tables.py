@@ -167,6 +167,28 @@ def test_throughput_table_from_sweep_record(tmp_path: Path) -> None:
     assert row(md, "mita") == ["mita", "80k", "~70k", "—"]
 
 
+def test_model_sweep_speedups_sit_beside_the_published_ones(tmp_path: Path) -> None:
+    (tmp_path / "runs").mkdir()
+    sweep = tmp_path / "throughput" / "model-gpu"
+    sweep.mkdir(parents=True)
+    points = [
+        {"backend": "full", "length": 65536, "status": "ok", "tokens_per_s": {"train": 500.0, "forward": 2000.0}},
+        {"backend": "mita", "length": 65536, "status": "ok", "tokens_per_s": {"train": 1000.0, "forward": 3000.0}},
+        {"backend": "full", "length": 262144, "status": "estimated", "estimated": True,
+         "tokens_per_s": {"train": 100.0, "forward": 400.0}},
+        {"backend": "mita", "length": 262144, "status": "error"},
+    ]
+    record = {"level": "model", "complete": False, "hardware": {"gpu": "Test GPU"}, "points": points}
+    (sweep / "record.json").write_text(json.dumps(record))
+    md = (run_table(tmp_path) / "throughput.md").read_text()
+    assert "Speedup over full attention, measured and published: model-gpu, Test GPU" in md
+    assert row(md, "mita", "training") == ["mita", "training", "2x", "—"]
+    assert row(md, "mita", "inference") == ["mita", "inference", "1.5x", "—"]
+    # the repo's reference/published_efficiency.csv holds the MiTA paper's 19x and 56x at these lengths
+    assert row(md, "mita", "published (mita2026)") == ["mita", "published (mita2026)", "19x", "56x"]
+    assert "Incomplete sweep" in md
+
+
 def test_reference_search_and_missing_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture) -> None:
     found, _ = tables.find_reference(None)

@@ -64,8 +64,9 @@ def rates_of(data: Dict[str, Any], mode: str) -> Dict[Tuple[str, int], Tuple[flo
     rates = {}
     for p in data.get("points") or []:
         rate = p.get("tokens_per_s", {}).get(mode) if isinstance(p, dict) and isinstance(p.get("tokens_per_s"), dict) else None
-        if isinstance(rate, (int, float)) and p.get("status") in ("ok", "estimated"):
-            rates[(p["backend"], p["length"])] = (float(rate), bool(p.get("estimated")))
+        backend, length = p.get("backend", p.get("attn")), p.get("length", p.get("n"))
+        if isinstance(rate, (int, float)) and p.get("status", "ok") in ("ok", "estimated") and backend and isinstance(length, int):
+            rates[(backend, length)] = (float(rate), bool(p.get("estimated")))
     return rates
 
 

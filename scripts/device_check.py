@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from attentions import build_attention, get_attention, list_attentions  # noqa: E402
+from attentions.check import Sizes, padding_mask, real_lengths  # noqa: E402
 from lra.bench_env import hardware, versions  # noqa: E402
 
 ROUTING = {"topk", "moba", "mita"}
@@ -80,10 +81,6 @@ def row_errors(got: torch.Tensor, ref: torch.Tensor, rows: torch.Tensor) -> torc
     return err.transpose(1, 2)[rows].flatten()  # [R*H]
 
 
-def lengths_mask(lengths: List[int], n: int) -> torch.Tensor:
-    return torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]  # [B, N]
-
-
 def run(attn: torch.nn.Module, qkv: List[torch.Tensor], mask: Optional[torch.Tensor], device: torch.device,
         autocast: bool) -> Dict[str, torch.Tensor]:
     """Output and q/k/v gradients of sum(out * w) for a fixed random w, on ``device``.
@@ -120,11 +117,13 @@ def check_backend(name: str, device: torch.device, n: int, seed: int) -> Dict[st
     torch.manual_seed(seed)
     cpu_attn = build_attention(name, num_heads=h, head_dim=d, max_len=n).eval()
     dev_attn = copy.deepcopy(cpu_attn).to(device)
+    sizes = Sizes(batch=b, heads=h, length=n, head_dim=d)
     gen = torch.Generator().manual_seed(seed)
     qkv = [torch.randn(b, h, n, d, generator=gen) for _ in range(3)]
     supports_mask = get_attention(name).supports_mask
-    lengths = [n, 29 * n // 64, 7 * n // 64]
-    mask = lengths_mask(lengths, n) if supports_mask else None
+    # the contract battery's padded batch: a full row, one a little under half, one very short
+    lengths = real_lengths(sizes)
+    mask = padding_mask(sizes) if supports_mask else None
     rows = mask if mask is not None else torch.ones(b, n, dtype=torch.bool)
     ref = run(cpu_attn, qkv, mask, torch.device("cpu"), autocast=False)
     result: Dict[str, object] = {"backend": name, "masked": supports_mask}

@@ -1,7 +1,20 @@
-"""Shared test helpers."""
+"""Shared test helpers, and one rule for every test: no test reaches the network."""
 from __future__ import annotations
 
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
 import torch
+
+from lra.config import DataConfig
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test may reach the network: the hub fallback must see an offline machine."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -13,3 +26,25 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 def lengths_mask(lengths: list, n: int) -> torch.Tensor:
     """[B, N] bool, True for the first lengths[b] positions of row b."""
     return torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]
+
+
+def cfg(root: Path, max_len: int = 0) -> DataConfig:
+    """The data config of a loader test: files under ``root``."""
+    return DataConfig(data_dir=str(root), max_len=max_len)
+
+
+def make_tar(root: Path, folder: str, archive: str) -> Path:
+    """``root/archive``, a .tar.gz of ``root/folder`` as the official downloads pack it."""
+    with tarfile.open(root / archive, "w:gz") as tar:
+        tar.add(root / folder, arcname=folder)
+    return root / archive
+
+
+def bump_mtime(path: Path) -> None:
+    """Move a file's mtime forward a second: a changed source for the cache key."""
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+
+def fail_if_called(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the sources were read again instead of the cache")

@@ -164,7 +164,9 @@ def test_unfinished_generation_is_refused_not_read(tmp_path: Path) -> None:
         get_task("pathfinder").load(data)
     assert str(err.value).startswith(expected)
     status = get_task("pathfinder").status(str(tmp_path))
-    assert not status.present and "generation unfinished, 12 of 2,000 images" in status.missing
+    assert not status.present and status.missing == (
+        f"{folder}: generation unfinished, 12 of 2,000 images; rerun `lra-data generate pathfinder32 "
+        f"--data-dir {tmp_path} --size 2000 --level curv_baseline` to finish it")
 
 
 def write_png(path: Path, pixels: np.ndarray) -> None:

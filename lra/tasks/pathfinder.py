@@ -211,13 +211,16 @@ class Pathfinder(Task):
         declared = pathfinder_write.declared_size(folder)
         if declared is None or listed >= declared:
             return
-        level_flag = "" if level == DEFAULT_LEVEL else f" --level {level}"
         raise UserError(
             f"{self.spec.name}: {folder} holds {listed:,} of the {declared:,} images its "
             f"{pathfinder_write.MANIFEST} declares (generation still running or interrupted); finish it with "
-            f"`lra-data generate {self.cli_name} --data-dir {data_dir} --size {declared}{level_flag}` "
-            "(finished batches are kept)"
+            f"{self.finish_command(data_dir, level, declared)} (finished batches are kept)"
         )
+
+    def finish_command(self, data_dir: str, level: str, size: int) -> str:
+        """The lra-data command that completes an unfinished set."""
+        level_flag = "" if level == DEFAULT_LEVEL else f" --level {level}"
+        return f"`lra-data generate {self.cli_name} --data-dir {data_dir} --size {size}{level_flag}`"
 
     def generate(self, data: DataConfigLike) -> Path:
         """Write ``data.size`` images (0 = 200,000) of ``data.level`` into ``<data_dir>/pathfinder<side>/<level>/``."""
@@ -232,8 +235,8 @@ class Pathfinder(Task):
 
     def status(self, data_dir: str) -> DataStatus:
         """The default level's data, else the first other level found (the source path names it)."""
-        found = (self.find(data_dir, level) for level in (DEFAULT_LEVEL, *LEVELS))
-        folder = next((f for f in found if f is not None), None)
+        found = ((level, self.find(data_dir, level)) for level in (DEFAULT_LEVEL, *LEVELS))
+        level, folder = next(((lv, f) for lv, f in found if f is not None), (DEFAULT_LEVEL, None))
         if folder is None:
             return DataStatus(task=self.spec.name, present=False, missing=self.missing_message(data_dir, DEFAULT_LEVEL))
         # counted from the metadata; the few empty images the loader skips are not subtracted
@@ -243,7 +246,7 @@ class Pathfinder(Task):
             return DataStatus(
                 task=self.spec.name, present=False,
                 missing=f"{folder}: generation unfinished, {n:,} of {declared:,} images; rerun "
-                f"`lra-data generate {self.cli_name} --data-dir {data_dir} --size {declared}` to finish it",
+                f"{self.finish_command(data_dir, level, declared)} to finish it",
             )
         train_end, test_start = split_bounds(n)
         sizes = {"train": train_end, "val": test_start - train_end, "test": n - test_start}

@@ -3,22 +3,33 @@
 A routed backend sends each query to a few experts, each a short list of keys and values. Giving
 every query its own copy of its expert's keys costs (keys x D) memory per query; instead the
 (query, expert) pairs are sorted by expert and cut into tiles of ``tile`` pairs that share one
-expert, so each tile gathers its expert's keys once and runs one small matmul. Tiles are processed
-a chunk at a time and recomputed in the backward pass (as flash attention does), so the memory
-kept per pair is its output row and one log-sum-exp: linear in the number of pairs, with no
-large temporaries. ``merge`` combines a query's partial results over several experts.
+expert, so each tile reads its expert's keys once and runs one small matmul. The tile size follows
+the pairs each expert really holds (8 to 64), so short sequences with few queries per expert do not
+pay for padded tiles. Tiles are ordered by expert, so the key gradients of a chunk's tiles are
+added into the tables with sorted indices (CPU index_add is several times faster sorted). When the
+softmax weights of all tiles fit in ``SAVE_ELEMENTS`` they are kept for the backward pass;
+otherwise tiles run a chunk at a time and are recomputed in the backward pass (as flash attention
+does), so memory stays linear in the number of pairs with no large temporaries.
+``merge`` combines a query's partial results over several experts by their log-sum-exp.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-# pairs per tile lie in [MIN_TILE, MAX_TILE], near the mean pairs per expert; a chunk of the loop
-# holds CHUNK_SLOTS slots (speed only: results do not depend on these)
-MIN_TILE, MAX_TILE = 16, 64
+# tile sizes tried (pairs per tile); a chunk of the loop holds CHUNK_SLOTS slots; the softmax
+# weights of a call are kept for the backward pass up to SAVE_ELEMENTS (speed only: results do
+# not depend on these)
+TILES = (8, 16, 32, 64)
+MIN_TILE = TILES[0]
 CHUNK_SLOTS = 32768
+SAVE_ELEMENTS = 1 << 24
+# fixed cost of one tile's small matmuls, in slots: the time per slot of a batched [tile, D=32] x
+# [D, S=64] product goes as 1 + 20 / tile on a 2-core AMD EPYC (1.7x lower at tile 64 than 16);
+# used only to pick the tile size
+TILE_OVERHEAD_SLOTS = 20
 
 
 @dataclass
@@ -37,12 +48,12 @@ class Tiling:
     # [P] True for a pair with no expert; None when every pair has one
     unrouted: Optional[torch.Tensor]
 
-    def chunks(self) -> Iterator[Tuple[slice, torch.Tensor]]:
-        """(tiles, their experts [c]) for consecutive chunks of about CHUNK_SLOTS slots."""
-        step = max(1, CHUNK_SLOTS // self.tile)
-        for first in range(0, self.expert.numel(), step):
-            tiles = slice(first, min(first + step, self.expert.numel()))
-            yield tiles, self.expert[tiles]
+    def chunks(self, whole: bool = False) -> Iterator[slice]:
+        """Consecutive runs of tiles of about CHUNK_SLOTS slots (all tiles at once when ``whole``)."""
+        tiles = self.expert.numel()
+        step = tiles if whole else max(1, CHUNK_SLOTS // self.tile)
+        for first in range(0, tiles, max(step, 1)):
+            yield slice(first, min(first + step, tiles))
 
     def to_tiles(self, x: torch.Tensor) -> torch.Tensor:
         """Pair rows into the tiled layout, zeros in empty slots. [P, ...] -> [num_tiles, tile, ...]."""
@@ -59,15 +70,25 @@ class Tiling:
         return rows
 
 
-def tile_by_expert(expert: torch.Tensor, num_experts: int) -> Tiling:
+def pick_tile(counts: torch.Tensor) -> int:
+    """The tile size of TILES with the least padded slots plus per-tile overhead for these
+    per-expert pair counts [E]."""
+    best, best_cost = TILES[0], None
+    for tile in TILES:
+        tiles = int(((counts + tile - 1) // tile).sum())
+        cost = tiles * (tile + TILE_OVERHEAD_SLOTS)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = tile, cost
+    return best
+
+
+def tile_by_expert(expert: torch.Tensor, num_experts: int, tile: Optional[int] = None) -> Tiling:
     """Group pairs by expert. expert: [P] long in [0, num_experts]; pairs of expert num_experts
-    (no expert) are left out of every tile."""
+    (no expert) are left out of every tile. ``tile``: pairs per tile (default: pick_tile)."""
     pairs = expert.numel()
-    # a power of two near the mean pairs per expert keeps the padding of each last tile small
-    mean = max(1, pairs // num_experts)
-    tile = min(max(1 << (mean.bit_length() - 1), MIN_TILE), MAX_TILE)
     order = torch.argsort(expert, stable=True)  # [P] pairs sorted by expert
     counts = torch.bincount(expert, minlength=num_experts + 1)[:num_experts]  # [E]
+    tile = pick_tile(counts) if tile is None else tile
     order = order[: int(counts.sum())]
     tiles = (counts + tile - 1) // tile  # [E] tiles per expert
     first_tile = torch.cumsum(tiles, 0) - tiles  # [E]
@@ -86,51 +107,20 @@ def tile_by_expert(expert: torch.Tensor, num_experts: int) -> Tiling:
     return Tiling(slot=slot, source=source, expert=tile_expert, tile=tile, empty=source == pairs, unrouted=unrouted)
 
 
-@dataclass
-class Experts:
-    """How the experts' key and value tables are read, and which keys are masked.
-
-    Expert x holds keys[x] [S, D]; with a shared table, every run of ``group`` consecutive experts
-    also holds shared[x // group] [M, D], placed before its own keys (MiTA's landmarks, shared by
-    the m experts of one head). key_ok [X, S] and shared_ok [X // group, M] mark real keys (None:
-    all real); every expert must keep at least one real key.
-    """
-
-    key_ok: Optional[torch.Tensor]
-    shared_ok: Optional[torch.Tensor]
-    group: int
-
-    def gather(self, keys: torch.Tensor, shared: Optional[torch.Tensor], experts: torch.Tensor) -> torch.Tensor:
-        """The keys (or values) of a chunk's experts [c] -> [c, M + S, D]."""
-        own = keys.index_select(0, experts)
-        if shared is None:
-            return own
-        return torch.cat([shared.index_select(0, experts // self.group), own], dim=1)
-
-    def scatter_add(
-        self, grad: torch.Tensor, keys: torch.Tensor, shared: Optional[torch.Tensor], experts: torch.Tensor
-    ) -> None:
-        """Add a chunk's gradient [c, M + S, D] into the tables' gradients (the inverse of gather)."""
-        if shared is not None:
-            shared.index_put_((experts // self.group,), grad[:, : shared.shape[1]], accumulate=True)
-            grad = grad[:, shared.shape[1] :]
-        keys.index_put_((experts,), grad, accumulate=True)
-
-    def logits(self, q: torch.Tensor, keys: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Logits of a chunk's queries q [c, tile, D] against its gathered keys [c, S', D] -> [c, tile, S']."""
-        logits = q @ keys.transpose(-1, -2)
-        if self.key_ok is not None:
-            shared_ok = None if self.shared_ok is None else self.shared_ok[..., None]
-            ok = self.gather(self.key_ok[..., None], shared_ok, experts)[..., 0]  # [c, S']
-            logits.masked_fill_(~ok[:, None, :], float("-inf"))
-        return logits
+def _softmax_lse(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax of logits [..., S] in place; returns the log-sum-exp [...]."""
+    top = logits.amax(dim=-1, keepdim=True)
+    total = logits.sub_(top).exp_().sum(dim=-1, keepdim=True)
+    logits.div_(total)
+    return (top + total.log()).squeeze(-1)
 
 
 class GroupedAttention(torch.autograd.Function):
-    """softmax(q K_e^T) V_e for each pair (keys come pre-scaled), with the log-sum-exp of its logits.
+    """softmax(q K_e^T) V_e for each pair, with the log-sum-exp of its logits.
 
-    Works in the tiled layout: q is gathered into tiles once, each chunk of tiles writes its slice
-    of the tiled output, and the backward pass recomputes each chunk's softmax.
+    Works in the tiled layout: q is gathered into tiles once (scaled), each chunk of tiles reads its
+    experts' key rows, writes its slice of the tiled output and (when they fit) keeps its weights.
+    Backward of one softmax row p: d logits = p * (d_out . v - d_out . out + d_lse).
     """
 
     @staticmethod
@@ -139,29 +129,38 @@ class GroupedAttention(torch.autograd.Function):
         q: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
-        shared_keys: Optional[torch.Tensor],
-        shared_values: Optional[torch.Tensor],
-        experts: Experts,
+        key_ok: Optional[torch.Tensor],
         tiling: Tiling,
+        scale: float,
         with_lse: bool,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         # the inputs share one dtype (grouped_attention casts them); autocast would turn the chunk
         # products to bf16 against float32 output buffers, so the Function runs in that dtype as given
         with torch.autocast(q.device.type, enabled=False):
-            return GroupedAttention._forward(ctx, q, keys, values, shared_keys, shared_values, experts, tiling, with_lse)
+            return GroupedAttention._forward(ctx, q, keys, values, key_ok, tiling, scale, with_lse)
 
     @staticmethod
-    def _forward(ctx, q, keys, values, shared_keys, shared_values, experts, tiling, with_lse):
-        q_tiles = tiling.to_tiles(q)  # [T, tile, D]
+    def _forward(ctx, q, keys, values, key_ok, tiling, scale, with_lse):
+        q_tiles = tiling.to_tiles(q).mul_(scale)  # [T, tile, D]
+        num_tiles, tile = q_tiles.shape[:2]
+        width = keys.shape[1]
+        # weights [T, tile, S] and the tiles' keys and values [T, S, D] x 2, kept when they fit
+        keep = num_tiles * width * (tile + 2 * q.shape[-1]) <= SAVE_ELEMENTS
         out = torch.empty_like(q_tiles)
-        lse = q.new_empty(q_tiles.shape[:2])  # [T, tile]
-        for tiles, chunk in tiling.chunks():
-            logits = experts.logits(q_tiles[tiles], experts.gather(keys, shared_keys, chunk), chunk)  # [c, tile, S']
-            if with_lse:
-                lse[tiles] = logits.logsumexp(dim=-1)
-            torch.bmm(logits.softmax(dim=-1), experts.gather(values, shared_values, chunk), out=out[tiles])
-        ctx.save_for_backward(q_tiles, keys, values, shared_keys, shared_values, out)
-        ctx.experts, ctx.tiling, ctx.with_lse = experts, tiling, with_lse
+        lse = q.new_empty(num_tiles, tile)  # [T, tile]
+        kept: List[torch.Tensor] = []
+        for tiles in tiling.chunks(whole=keep):
+            experts = tiling.expert[tiles]  # [c]
+            keys_t, values_t = _rows(keys, experts), _rows(values, experts)  # [c, S, D]
+            logits = q_tiles[tiles] @ keys_t.transpose(-1, -2)  # [c, tile, S]
+            if key_ok is not None:
+                logits.masked_fill_(~key_ok.index_select(0, experts)[:, None, :], float("-inf"))
+            lse[tiles] = _softmax_lse(logits)
+            torch.bmm(logits, values_t, out=out[tiles])
+            if keep:
+                kept = [logits, keys_t, values_t]
+        ctx.save_for_backward(q_tiles, keys, values, key_ok, out, *kept)
+        ctx.tiling, ctx.scale, ctx.with_lse, ctx.keep = tiling, scale, with_lse, keep
         # a pair with no expert gets output 0 and log-sum-exp -inf (weight 0 in merge)
         return tiling.from_tiles(out), tiling.from_tiles(lse, float("-inf")) if with_lse else q.new_empty(0)
 
@@ -172,27 +171,42 @@ class GroupedAttention(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, d_out: torch.Tensor, d_lse: torch.Tensor):
-        q_tiles, keys, values, shared_keys, shared_values, out = ctx.saved_tensors
-        experts, tiling = ctx.experts, ctx.tiling
+        q_tiles, keys, values, key_ok, out, *kept = ctx.saved_tensors
+        tiling = ctx.tiling
         d_out = tiling.to_tiles(d_out.to(out.dtype))  # [T, tile, D]
-        # softmax backward: d logits = p * (d_out . v - d_out . out + d_lse), as d lse / d logits = p
         offset = (d_out * out).sum(-1).neg_()  # [T, tile]
         if ctx.with_lse:
             offset += tiling.to_tiles(d_lse)
         d_q = torch.empty_like(q_tiles)
-        d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)
-        d_shared_keys = None if shared_keys is None else torch.zeros_like(shared_keys)
-        d_shared_values = None if shared_values is None else torch.zeros_like(shared_values)
-        for tiles, chunk in tiling.chunks():
+        # key and value gradients of each expert, transposed [X, D, S]: the products below come out so
+        d_keys = keys.new_zeros(keys.shape[0], keys.shape[2] * keys.shape[1])
+        d_values = torch.zeros_like(d_keys)
+        for tiles in tiling.chunks(whole=ctx.keep):
+            experts = tiling.expert[tiles]  # [c], ascending: tiles are ordered by expert
             q_t, d_out_t = q_tiles[tiles], d_out[tiles]  # [c, tile, D]
-            keys_t = experts.gather(keys, shared_keys, chunk)  # [c, S', D]
-            values_t = experts.gather(values, shared_values, chunk)
-            weights = experts.logits(q_t, keys_t, chunk).softmax(dim=-1)  # [c, tile, S']
-            experts.scatter_add(weights.transpose(-1, -2) @ d_out_t, d_values, d_shared_values, chunk)
+            if ctx.keep:
+                weights, keys_t, values_t = kept
+            else:
+                keys_t, values_t = _rows(keys, experts), _rows(values, experts)  # [c, S, D]
+                weights = q_t @ keys_t.transpose(-1, -2)  # [c, tile, S]
+                if key_ok is not None:
+                    weights.masked_fill_(~key_ok.index_select(0, experts)[:, None, :], float("-inf"))
+                _softmax_lse(weights)
+            # (A^T B)^T = B^T A, with B^T made contiguous first: a bmm whose first operand is a
+            # transposed view is ~3x slower on the CPU, and index_add wants a contiguous source
+            d_values.index_add_(0, experts, (d_out_t.transpose(-1, -2).contiguous() @ weights).flatten(1))
             d_logits = (d_out_t @ values_t.transpose(-1, -2)).add_(offset[tiles][..., None]).mul_(weights)
             torch.bmm(d_logits, keys_t, out=d_q[tiles])
-            experts.scatter_add(d_logits.transpose(-1, -2) @ q_t, d_keys, d_shared_keys, chunk)
-        return tiling.from_tiles(d_q), d_keys, d_values, d_shared_keys, d_shared_values, None, None, None
+            d_keys.index_add_(0, experts, (q_t.transpose(-1, -2).contiguous() @ d_logits).flatten(1))
+        d_q.mul_(ctx.scale)
+        shape = (keys.shape[0], keys.shape[2], keys.shape[1])
+        d_keys, d_values = (g.view(shape).transpose(-1, -2) for g in (d_keys, d_values))  # [X, S, D]
+        return tiling.from_tiles(d_q), d_keys, d_values, None, None, None, None
+
+
+def _rows(table: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """table[experts] for a [X, S, D] table: [c] -> [c, S, D] (through a 2-D view, ~4x faster on the CPU)."""
+    return table.reshape(table.shape[0], -1).index_select(0, experts).view(-1, *table.shape[1:])
 
 
 def grouped_attention(
@@ -203,32 +217,46 @@ def grouped_attention(
     key_ok: Optional[torch.Tensor],
     scale: float,
     with_lse: bool = False,
-    shared: Optional[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]] = None,
+    tile: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Each pair's attention over its expert's keys: softmax(scale q K_e^T) V_e.
 
     q: [P, D] one query row per pair; expert: [P] long in [0, X], where X (one past the last
-    expert) means no expert; keys, values: [X, S, D]; key_ok: [X, S] bool (False = masked key) or
-    None. shared: (keys [G, M, D], values [G, M, D], ok [G, M] or None, group) added before the keys
-    of each run of ``group`` experts (see Experts). Returns out [P, D] and, when with_lse, the
-    log-sum-exp of each pair's logits [P] (-inf, with out 0, for a pair with no expert).
+    expert) means no expert; keys, values: [X, S, D] each expert's keys and values; key_ok:
+    [X, S] bool (False = masked key) or None. Every expert keeps at least one real key. Returns out [P, D] and, when with_lse, the log-sum-exp of each pair's
+    logits [P] (-inf, with out 0, for a pair with no expert). ``tile``: pairs per tile (default:
+    chosen from the pairs per expert).
     """
-    tiling = tile_by_expert(expert, keys.shape[0])
-    shared_keys, shared_values, shared_ok, group = shared if shared is not None else (None, None, None, 1)
-    if shared_keys is not None and (key_ok is not None or shared_ok is not None):
-        # one mask covers both tables, so a missing one means all keys real
-        if key_ok is None:
-            key_ok = torch.ones(keys.shape[:2], dtype=torch.bool, device=q.device)
-        if shared_ok is None:
-            shared_ok = torch.ones(shared_keys.shape[:2], dtype=torch.bool, device=q.device)
-    experts = Experts(key_ok=key_ok, shared_ok=shared_ok, group=group)
-    # one dtype for the Function: q's (under autocast the projections give bf16 q, k, v, while tables
-    # built from them by float32 ops, such as landmark pooling, may not be)
+    tiling = tile_by_expert(expert, keys.shape[0], tile)
+    # one dtype for the Function: q's (under autocast the projections give bf16 q, k, v, while
+    # tables built from them by float32 ops, such as landmark pooling, may not be)
     keys, values = keys.to(q.dtype), values.to(q.dtype)
-    if shared_keys is not None:
-        shared_keys, shared_values = shared_keys.to(q.dtype), shared_values.to(q.dtype)
-    shared_keys = None if shared_keys is None else shared_keys * scale
-    return GroupedAttention.apply(q, keys * scale, values, shared_keys, shared_values, experts, tiling, with_lse)
+    return GroupedAttention.apply(q, keys, values, key_ok, tiling, scale, with_lse)
+
+
+class GatherRows(torch.autograd.Function):
+    """table[rows]: a [R, D] table and rows [X, S] -> [X, S, D]. The backward adds each gradient row
+    back to its table row; on the CPU in sorted row order (index_add is several times faster so)."""
+
+    @staticmethod
+    def forward(ctx, table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows)
+        ctx.table_rows = table.shape[0]
+        return table.index_select(0, rows.flatten()).view(*rows.shape, table.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (rows,) = ctx.saved_tensors
+        rows, grad = rows.flatten(), grad.reshape(-1, grad.shape[-1])  # [X*S], [X*S, D]
+        if not grad.is_cuda:
+            rows, order = torch.sort(rows, stable=True)
+            grad = grad.index_select(0, order)
+        return grad.new_zeros(ctx.table_rows, grad.shape[-1]).index_add_(0, rows, grad), None
+
+
+def gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows [X, S] of a [R, D] table -> [X, S, D], differentiable in the table."""
+    return GatherRows.apply(table, rows)
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

@@ -70,13 +70,18 @@ def pool_real(x: torch.Tensor, mask: Optional[torch.Tensor], bins: int) -> Tuple
         bin_mask[:, :m] = True
         return pooled, bin_mask
     lengths = real_lengths(mask, b, n, x.device)
-    pooled = x.new_zeros(b, h, bins, d)  # [B, H, bins, D]
-    bin_mask = torch.zeros(b, bins, dtype=torch.bool, device=x.device)
-    # one pooling call per distinct real length (a batch holds few)
-    for length in torch.unique(lengths).tolist():
-        rows = (lengths == length).nonzero(as_tuple=True)[0]
-        m = min(bins, length)
-        part = adaptive_pool(x[rows, :, :length], m)  # [b', H, m, D]
-        pooled = pooled.index_copy(0, rows, F.pad(part, (0, 0, 0, bins - m)).to(pooled.dtype))
-        bin_mask[rows, :m] = True
-    return pooled, bin_mask
+    # one pooling matrix for the batch: row j of sequence i averages bin j of its real tokens
+    # (torch's bin rule over ``length`` tokens, ``min(bins, length)`` bins), zero for a missing bin
+    count = lengths.clamp(max=bins)[:, None]  # [B, 1] bins of each sequence
+    j = torch.arange(bins, device=x.device)[None, :]  # [1, bins]
+    starts = j * lengths[:, None] // count  # [B, bins]
+    ends = -((-(j + 1) * lengths[:, None]) // count)  # ceil((j+1) length / count)
+    bin_mask = j < count  # [B, bins]
+    position = torch.arange(n, device=x.device)
+    inside = (position >= starts[..., None]) & (position < ends[..., None]) & bin_mask[..., None]  # [B, bins, N]
+    # accumulate in float32 at least (bf16 sums of long bins lose digits)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    weights = inside.to(acc) / (ends - starts).clamp(min=1).to(acc)[..., None]
+    with torch.autocast(x.device.type, enabled=False):
+        pooled = weights[:, None] @ x.to(acc)  # [B, H, bins, D]
+    return pooled.to(x.dtype), bin_mask

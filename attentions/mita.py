@@ -21,12 +21,14 @@ from typing import Optional, Tuple
 import torch
 
 from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
-from .grouped import grouped_attention, merge
+from .grouped import gather_rows, grouped_attention, merge
 from .masking import pool_real
 from .registry import register
 
 # routing scores [B, H, chunk, m] computed at once, in elements (bounds memory, not results)
 ROUTE_ELEMENTS = 1 << 22
+# queries per tile of the shared expert's attention (speed only)
+SHARED_TILE = 512
 
 
 @dataclass
@@ -94,9 +96,11 @@ def build_experts(
     """Steps 1-3: landmarks [B, H, m, D], real landmarks [B, m], each landmark's key index
     [B, H, m, keys] and which of those are real keys [B, H, m, keys], shared values [B, H, m, D]."""
     marks, real_marks = pool_real(q, mask, landmarks)
-    scores = (marks / math.sqrt(q.shape[-1])) @ k.transpose(-1, -2)  # [B, H, m, N]
+    # k transposed into a contiguous [B, H, D, N] copy: a matmul against a transposed view is ~5x
+    # slower on the CPU, and the backward's d k comes back through the copy
+    scores = (marks / math.sqrt(q.shape[-1])) @ k.transpose(-1, -2).contiguous()  # [B, H, m, N]
     if mask is not None:
-        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
     top, index = scores.detach().topk(keys, dim=-1, sorted=False)  # [B, H, m, keys]
     shared_values = scores.softmax(dim=-1) @ v  # [B, H, m, D]
     return marks, real_marks, index, torch.isfinite(top), shared_values
@@ -120,7 +124,10 @@ def route(q: torch.Tensor, marks: torch.Tensor, real_marks: torch.Tensor, per_qu
         for start in range(0, n, chunk):
             rows = slice(start, min(start + chunk, n))
             gate = q[:, :, rows] @ marks.transpose(-1, -2) + missing.view(b, h, 1, m)  # [B, H, chunk, m]
-            choice[:, :, rows] = gate.topk(per_query, dim=-1).indices
+            if per_query == 1:
+                choice[:, :, rows] = gate.argmax(dim=-1, keepdim=True)
+            else:
+                choice[:, :, rows] = gate.topk(per_query, dim=-1).indices
             del gate
     choice = choice.view(b * h, n, per_query)
     expert = choice + torch.arange(b * h, device=q.device)[:, None, None] * m
@@ -175,28 +182,34 @@ class MiTAAttention(Attention):
         marks, real_marks, index, key_ok, shared_values = build_experts(q, k, v, mask, m, keys)
         real_marks = real_marks.repeat_interleave(h, dim=0)  # [B*H, m]
         expert = route(q, marks, real_marks, per_query)  # [B*H, N, E]
-        # step 5: routed experts [B*H*m, keys, D] gathered once; queries grouped by expert
-        heads = torch.arange(b * h, device=q.device)[:, None]
+        # step 5: routed experts [B*H*m, keys, D] read once from k and v; queries grouped by expert
+        heads = torch.arange(b * h, device=q.device)[:, None]  # [B*H, 1]
         rows = (index.view(b * h, m * keys) + heads * n).view(b * h * m, keys)
-        expert_k = k.reshape(b * h * n, d)[rows]
-        expert_v = v.reshape(b * h * n, d)[rows]
-        expert_ok = None if bool(key_ok.all()) else key_ok.view(b * h * m, keys)
-        shared = None
-        if cfg.shared_expert:
-            # the m landmarks join the keys of a query's first expert, pre-scaled so q . L gets 1/D
-            ok = None if bool(real_marks.all()) else real_marks
-            shared = (marks.reshape(b * h, m, d) / math.sqrt(d), shared_values.reshape(b * h, m, d), ok, m)
+        expert_k = gather_rows(k.reshape(b * h * n, d), rows)
+        expert_v = gather_rows(v.reshape(b * h * n, d), rows)
+        # (on the CPU a check costs nothing, so all-real masks are dropped; on CUDA they stay, no sync)
+        expert_ok = None if mask is None or (not q.is_cuda and bool(key_ok.all())) else key_ok.view(b * h * m, keys)
         q_rows = q.reshape(b * h * n, d)
-        scale = 1 / math.sqrt(d)
-        first = expert[..., 0].flatten()
-        out, lse = grouped_attention(q_rows, first, expert_k, expert_v, expert_ok, scale, per_query > 1, shared)
-        if per_query == 1:
-            return out.view(b, h, n, d)
-        # further experts hold routed keys only; one softmax across all of a query's experts
-        q_rest, rest_expert = q_rows.repeat_interleave(per_query - 1, dim=0), expert[..., 1:].flatten()
-        rest, rest_lse = grouped_attention(q_rest, rest_expert, expert_k, expert_v, expert_ok, scale, True)
-        out = merge(
-            torch.cat([out[:, None], rest.view(-1, per_query - 1, d)], dim=1),
-            torch.cat([lse[:, None], rest_lse.view(-1, per_query - 1)], dim=1),
+        routed_q = q_rows if per_query == 1 else q_rows.repeat_interleave(per_query, dim=0)
+        with_lse = cfg.shared_expert or per_query > 1
+        out, lse = grouped_attention(
+            routed_q, expert.flatten(), expert_k, expert_v, expert_ok, 1 / math.sqrt(d), with_lse
         )
-        return out.view(b, h, n, d)
+        if not with_lse:
+            return out.view(b, h, n, d)
+        outs, lses = [out.view(b * h * n, per_query, d)], [lse.view(b * h * n, per_query)]
+        if cfg.shared_expert:
+            # the shared expert: every query of a head over its m landmark keys (logits q . L / D)
+            # and their shared values, joined to the same softmax by log-sum-exp
+            head_of_row = heads.expand(b * h, n).flatten()  # [B*H*N]
+            marks_ok = None if mask is None and n >= m else real_marks
+            if marks_ok is not None and not q.is_cuda and bool(marks_ok.all()):
+                marks_ok = None
+            # queries stay in order, a head's queries in tiles of SHARED_TILE: a few large matmuls
+            shared, shared_lse = grouped_attention(
+                q_rows, head_of_row, marks.reshape(b * h, m, d), shared_values.reshape(b * h, m, d), marks_ok,
+                1 / d, True, tile=min(SHARED_TILE, n),
+            )
+            outs.insert(0, shared[:, None])
+            lses.insert(0, shared_lse[:, None])
+        return merge(torch.cat(outs, dim=1), torch.cat(lses, dim=1)).view(b, h, n, d)

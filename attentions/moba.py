@@ -152,14 +152,16 @@ class MoBAAttention(Attention):
         expert = torch.where(chosen_ok.view(b * h, n, per_query), expert, b * h * blocks)
         block_k = F.pad(k, (0, 0, 0, pad)).reshape(b * h * blocks, size, d)
         block_v = F.pad(v, (0, 0, 0, pad)).reshape(b * h * blocks, size, d)
-        real = F.pad(_real_keys(mask, q), (0, pad)).view(b, 1, blocks, size).expand(b, h, blocks, size)
-        block_ok = real.reshape(b * h * blocks, size)
+        block_ok = None
+        if mask is not None or pad:
+            real = F.pad(_real_keys(mask, q), (0, pad)).view(b, 1, blocks, size).expand(b, h, blocks, size)
+            block_ok = real.reshape(b * h * blocks, size)
         out, lse = grouped_attention(
             q.reshape(b * h * n, d).repeat_interleave(per_query, dim=0),
             expert.flatten(),
             block_k,
             block_v,
-            None if bool(block_ok.all()) else block_ok,
+            block_ok,
             1 / math.sqrt(d),
             per_query > 1,
         )

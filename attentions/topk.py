@@ -1,9 +1,9 @@
 """Top-k attention (Gupta et al. 2021, Memory-efficient Transformers via Top-k Attention).
 
 Each query keeps its own k highest-scoring real keys and takes a softmax over those k only. Scores
-are built for a chunk of queries at a time, so memory is O(chunk N) instead of O(N^2); in training
-each chunk is recomputed in the backward pass (activation checkpointing), which keeps the bound.
-Time stays O(N^2 D): every query still scores every key. One query attends to k keys: 64 at the
+are built for a chunk of queries at a time, so memory is O(chunk N) instead of O(N^2); training
+keeps only each query's k chosen indices and weights, O(N k), and the backward rebuilds the sparse
+rows from them (no second top-k). Time stays O(N^2 D): every query still scores every key. One query attends to k keys: 64 at the
 Config default, 128 in configs/attn/topk.yaml (all real keys, i.e. full attention, when N <= k).
 """
 from __future__ import annotations
@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
 from .registry import register
@@ -40,18 +39,46 @@ def reference(
     return scores.masked_fill(~keep, float("-inf")).softmax(dim=-1) @ v
 
 
-def chunk_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: Optional[torch.Tensor], keys: int
-) -> torch.Tensor:
-    """Top-k attention of a chunk of queries q [B, H, C, D] over all keys -> [B, H, C, D]."""
-    scores = (q / math.sqrt(q.shape[-1])) @ k.transpose(-1, -2)  # [B, H, C, N]
-    if key_bias is not None:
-        scores = scores + key_bias
-    top, index = scores.topk(keys, dim=-1, sorted=False)  # [B, H, C, keys]
-    # the k weights laid back into a [C, N] row: one dense matmul beats gathering k values per query
-    # (CUDA autocast gives the softmax in float32 and the scores in bf16: scatter wants one dtype)
-    weights = torch.zeros_like(scores).scatter(-1, index, top.softmax(dim=-1).to(scores.dtype))  # [B, H, C, N]
-    return weights @ v
+class TopKChunk(torch.autograd.Function):
+    """Top-k attention of a chunk of queries q [B, H, C, D] over all keys -> [B, H, C, D].
+
+    The forward keeps only each query's chosen key indices and softmax weights [B, H, C, k], so the
+    backward rebuilds the sparse weight rows by a scatter instead of recomputing the scores and the
+    top-k (the selection costs more than the matmuls on the CPU). Softmax backward over the k
+    chosen logits: d s = p * (d p - sum(p * d p)); unchosen keys get no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k_t, v, key_bias, keys: int):
+        with torch.autocast(q.device.type, enabled=False):
+            scale = 1 / math.sqrt(q.shape[-1])
+            scores = (q * scale) @ k_t  # [B, H, C, N]
+            if key_bias is not None:
+                scores += key_bias
+            top, index = scores.topk(keys, dim=-1, sorted=False)  # [B, H, C, k]
+            weights = top.softmax(dim=-1)
+            # the k weights laid back into the [C, N] rows: one dense matmul beats gathering k values
+            out = scores.zero_().scatter_(-1, index, weights) @ v
+        ctx.save_for_backward(q, k_t, v, index, weights)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k_t, v, index, weights = ctx.saved_tensors
+        with torch.autocast(q.device.type, enabled=False):
+            d_out = d_out.to(q.dtype)
+            rows = torch.zeros(*index.shape[:-1], k_t.shape[-1], dtype=q.dtype, device=q.device)  # [B, H, C, N]
+            rows.scatter_(-1, index, weights)
+            # A^T B as (B^T A)^T with B^T contiguous: a transposed first operand is slow on the CPU
+            d_v = (d_out.transpose(-1, -2).contiguous() @ rows).transpose(-1, -2)  # [B, H, N, D]
+            d_rows = d_out @ v.transpose(-1, -2)  # [B, H, C, N]
+            d_p = d_rows.gather(-1, index)  # [B, H, C, k]
+            d_s = weights * (d_p - (weights * d_p).sum(dim=-1, keepdim=True)) * ctx.scale
+            d_scores = d_rows.zero_().scatter_(-1, index, d_s)  # [B, H, C, N]
+            d_q = d_scores @ k_t.transpose(-1, -2)  # [B, H, C, D]
+            d_k_t = q.transpose(-1, -2).contiguous() @ d_scores  # [B, H, D, N]
+        return d_q, d_k_t, d_v, None, None
 
 
 @register("topk")
@@ -81,19 +108,23 @@ class TopKAttention(Attention):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
         check_inputs(q, k, v, mask)
-        n = q.shape[2]
-        keys = min(self.cfg.topk, n)
         key_bias = None
         if mask is not None:
             # 0 on real keys, -inf on padding: padded keys lose every top-k comparison
             key_bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
             key_bias = key_bias[:, None, None, :]  # [B, 1, 1, N]
-        training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        outs = []
-        for start in range(0, n, self.cfg.chunk_size):
-            q_chunk = q[:, :, start : start + self.cfg.chunk_size]
-            if training:
-                outs.append(checkpoint(chunk_attention, q_chunk, k, v, key_bias, keys, use_reentrant=False))
-            else:
-                outs.append(chunk_attention(q_chunk, k, v, key_bias, keys))
+        return self.attend(q, k, v, key_bias)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """Queries q [B, H, S, D] (any S: the benchmark times a slice) over keys k, v [B, H, N, D]."""
+        keys = min(self.cfg.topk, k.shape[2])
+        # one dtype for the chunks (under autocast q, k, v may differ); k transposed once, contiguous
+        k_t = k.to(q.dtype).transpose(-1, -2).contiguous()  # [B, H, D, N]
+        v = v.to(q.dtype)
+        outs = [
+            TopKChunk.apply(q[:, :, start : start + self.cfg.chunk_size], k_t, v, key_bias, keys)
+            for start in range(0, q.shape[2], self.cfg.chunk_size)
+        ]
         return torch.cat(outs, dim=2)

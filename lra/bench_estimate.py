@@ -13,7 +13,6 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 # queries attend to all N keys independently: a slice of queries costs S / N of the whole
 SliceFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -52,25 +51,8 @@ def full_slice(attn: nn.Module) -> SliceFn:
 
 def topk_slice(attn: nn.Module) -> Optional[SliceFn]:
     """Top-k attention of a slice of queries over all keys, chunked as the backend chunks it."""
-    try:
-        from attentions.topk import chunk_attention
-    except ImportError:
-        return None
-    cfg = attn.cfg
-
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        keys = min(cfg.topk, k.shape[2])
-        training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        outs = []
-        for start in range(0, q.shape[2], cfg.chunk_size):
-            chunk = q[:, :, start : start + cfg.chunk_size]  # [B, H, C, D]
-            if training:
-                outs.append(checkpoint(chunk_attention, chunk, k, v, None, keys, use_reentrant=False))
-            else:
-                outs.append(chunk_attention(chunk, k, v, None, keys))
-        return torch.cat(outs, dim=2)
-
-    return run
+    attend = getattr(attn, "attend", None)
+    return None if attend is None else (lambda q, k, v: attend(q, k, v))
 
 
 def slice_fn(backend: str, attn: nn.Module) -> Optional[SliceFn]:

@@ -21,7 +21,8 @@ from typing import Optional, Tuple
 import torch
 
 from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
-from .grouped import grouped_attention, merge
+from .grouped import merge
+from .grouped_triton import check_kernel, pick_grouped
 from .masking import pool_real
 from .registry import register
 
@@ -39,6 +40,9 @@ class MiTAConfig:
     shared_expert: bool = True
     # E: routed experts per query; each keeps topk // E keys
     experts_per_query: int = 1
+    # grouped attention kernels: "torch", "triton" (CUDA, or CPU under TRITON_INTERPRET=1), or
+    # "auto" (the PyTorch path until the Triton kernels are validated and timed on a GPU)
+    kernel: str = "auto"
 
 
 def _real_keys(mask: Optional[torch.Tensor], q: torch.Tensor) -> torch.Tensor:
@@ -156,6 +160,7 @@ class MiTAAttention(Attention):
                 f"mita experts_per_query={cfg.experts_per_query} must be at most landmarks={cfg.landmarks} "
                 f"and at most topk={cfg.topk} (each expert keeps topk // experts_per_query keys)"
             )
+        check_kernel(cfg.kernel, "mita")
 
     def budget(self) -> str:
         cfg = self.cfg
@@ -189,6 +194,7 @@ class MiTAAttention(Attention):
         q_rows = q.reshape(b * h * n, d)
         scale = 1 / math.sqrt(d)
         first = expert[..., 0].flatten()
+        grouped_attention = pick_grouped(cfg.kernel)
         out, lse = grouped_attention(q_rows, first, expert_k, expert_v, expert_ok, scale, per_query > 1, shared)
         if per_query == 1:
             return out.view(b, h, n, d)

@@ -26,6 +26,8 @@ TILES = (8, 16, 32, 64)
 MIN_TILE = TILES[0]
 CHUNK_SLOTS = 32768
 SAVE_ELEMENTS = 1 << 24
+# pairs per tile for a shared table, which holds every pair of its group: a few large matmuls
+SHARED_TILE = 512
 # fixed cost of one tile's small matmuls, in slots: the time per slot of a batched [tile, D=32] x
 # [D, S=64] product goes as 1 + 20 / tile on a 2-core AMD EPYC (1.7x lower at tile 64 than 16);
 # used only to pick the tile size
@@ -217,21 +219,39 @@ def grouped_attention(
     key_ok: Optional[torch.Tensor],
     scale: float,
     with_lse: bool = False,
+    shared: Optional[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]] = None,
     tile: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Each pair's attention over its expert's keys: softmax(scale q K_e^T) V_e.
 
     q: [P, D] one query row per pair; expert: [P] long in [0, X], where X (one past the last
     expert) means no expert; keys, values: [X, S, D] each expert's keys and values; key_ok:
-    [X, S] bool (False = masked key) or None. Every expert keeps at least one real key. Returns out [P, D] and, when with_lse, the log-sum-exp of each pair's
-    logits [P] (-inf, with out 0, for a pair with no expert). ``tile``: pairs per tile (default:
-    chosen from the pairs per expert).
+    [X, S] bool (False = masked key) or None. Every expert keeps at least one real key.
+    shared: (keys [G, M, D], values [G, M, D], ok [G, M] or None, group): every run of ``group``
+    consecutive experts also holds shared[x // group] under the same softmax (MiTA's landmarks,
+    shared by the m experts of one head; their logits are scaled by ``scale`` too). Returns out
+    [P, D] and, when with_lse, the log-sum-exp of each pair's logits [P] (-inf, with out 0, for a
+    pair with no expert). ``tile``: pairs per tile (default: chosen from the pairs per expert).
     """
-    tiling = tile_by_expert(expert, keys.shape[0], tile)
     # one dtype for the Function: q's (under autocast the projections give bf16 q, k, v, while
     # tables built from them by float32 ops, such as landmark pooling, may not be)
     keys, values = keys.to(q.dtype), values.to(q.dtype)
-    return GroupedAttention.apply(q, keys, values, key_ok, tiling, scale, with_lse)
+    if shared is None:
+        tiling = tile_by_expert(expert, keys.shape[0], tile)
+        return GroupedAttention.apply(q, keys, values, key_ok, tiling, scale, with_lse)
+    # the shared table as an expert of its own: the pairs of group g (in order when the pairs come
+    # sorted by expert, as MiTA's queries do) in large tiles, then one softmax over both parts by
+    # their log-sum-exp (the Triton kernel instead runs both in one online softmax)
+    shared_keys, shared_values, shared_ok, group = shared
+    groups = shared_keys.shape[0]
+    out, lse = grouped_attention(q, expert, keys, values, key_ok, scale, True, tile=tile)
+    per_group = max(1, expert.numel() // groups)
+    shared_tile = min(SHARED_TILE, max(MIN_TILE, 1 << (per_group - 1).bit_length()))
+    shared_out, shared_lse = grouped_attention(
+        q, (expert // group).clamp(max=groups), shared_keys, shared_values, shared_ok, scale, True, tile=shared_tile
+    )
+    out = merge(torch.stack([shared_out, out], dim=1), torch.stack([shared_lse, lse], dim=1))
+    return out, torch.logaddexp(shared_lse, lse) if with_lse else q.new_empty(0)
 
 
 class GatherRows(torch.autograd.Function):
@@ -261,5 +281,7 @@ def gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def merge(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """One softmax over a query's E partial results. out: [R, E, D], lse: [R, E] -> [R, D]."""
-    weights = (lse - torch.logsumexp(lse, dim=-1, keepdim=True)).exp()  # [R, E]
+    total = torch.logsumexp(lse, dim=-1, keepdim=True)  # [R, 1]
+    # a row whose parts all have no expert (lse -inf) gets weight 0 everywhere, not nan
+    weights = (lse - torch.where(torch.isfinite(total), total, 0.0)).exp()  # [R, E]
     return (out * weights[..., None]).sum(dim=1)

@@ -21,14 +21,13 @@ from typing import Optional, Tuple
 import torch
 
 from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
-from .grouped import gather_rows, grouped_attention, merge
+from .grouped import gather_rows, merge
+from .grouped_triton import check_kernel, pick_grouped
 from .masking import pool_real
 from .registry import register
 
 # routing scores [B, H, chunk, m] computed at once, in elements (bounds memory, not results)
 ROUTE_ELEMENTS = 1 << 22
-# queries per tile of the shared expert's attention (speed only)
-SHARED_TILE = 512
 
 
 @dataclass
@@ -41,6 +40,9 @@ class MiTAConfig:
     shared_expert: bool = True
     # E: routed experts per query; each keeps topk // E keys
     experts_per_query: int = 1
+    # grouped attention kernels: "torch", "triton" (CUDA, or CPU under TRITON_INTERPRET=1), or
+    # "auto" (the PyTorch path until the Triton kernels are validated and timed on a GPU)
+    kernel: str = "auto"
 
 
 def _real_keys(mask: Optional[torch.Tensor], q: torch.Tensor) -> torch.Tensor:
@@ -163,6 +165,7 @@ class MiTAAttention(Attention):
                 f"mita experts_per_query={cfg.experts_per_query} must be at most landmarks={cfg.landmarks} "
                 f"and at most topk={cfg.topk} (each expert keeps topk // experts_per_query keys)"
             )
+        check_kernel(cfg.kernel, "mita")
 
     def budget(self) -> str:
         cfg = self.cfg
@@ -188,28 +191,25 @@ class MiTAAttention(Attention):
         expert_k = gather_rows(k.reshape(b * h * n, d), rows)
         expert_v = gather_rows(v.reshape(b * h * n, d), rows)
         # (on the CPU a check costs nothing, so all-real masks are dropped; on CUDA they stay, no sync)
-        expert_ok = None if mask is None or (not q.is_cuda and bool(key_ok.all())) else key_ok.view(b * h * m, keys)
-        q_rows = q.reshape(b * h * n, d)
-        routed_q = q_rows if per_query == 1 else q_rows.repeat_interleave(per_query, dim=0)
-        with_lse = cfg.shared_expert or per_query > 1
-        out, lse = grouped_attention(
-            routed_q, expert.flatten(), expert_k, expert_v, expert_ok, 1 / math.sqrt(d), with_lse
-        )
-        if not with_lse:
-            return out.view(b, h, n, d)
-        outs, lses = [out.view(b * h * n, per_query, d)], [lse.view(b * h * n, per_query)]
+        on_cpu = not q.is_cuda
+        expert_ok = None if mask is None or (on_cpu and bool(key_ok.all())) else key_ok.view(b * h * m, keys)
+        shared = None
         if cfg.shared_expert:
-            # the shared expert: every query of a head over its m landmark keys (logits q . L / D)
-            # and their shared values, joined to the same softmax by log-sum-exp
-            head_of_row = heads.expand(b * h, n).flatten()  # [B*H*N]
-            marks_ok = None if mask is None and n >= m else real_marks
-            if marks_ok is not None and not q.is_cuda and bool(marks_ok.all()):
-                marks_ok = None
-            # queries stay in order, a head's queries in tiles of SHARED_TILE: a few large matmuls
-            shared, shared_lse = grouped_attention(
-                q_rows, head_of_row, marks.reshape(b * h, m, d), shared_values.reshape(b * h, m, d), marks_ok,
-                1 / d, True, tile=min(SHARED_TILE, n),
-            )
-            outs.insert(0, shared[:, None])
-            lses.insert(0, shared_lse[:, None])
-        return merge(torch.cat(outs, dim=1), torch.cat(lses, dim=1)).view(b, h, n, d)
+            # the m landmarks join the keys of a query's first expert, pre-scaled so q . L gets 1/D
+            ok = None if (mask is None and n >= m) or (on_cpu and bool(real_marks.all())) else real_marks
+            shared = (marks.reshape(b * h, m, d) / math.sqrt(d), shared_values.reshape(b * h, m, d), ok, m)
+        q_rows = q.reshape(b * h * n, d)
+        scale = 1 / math.sqrt(d)
+        first = expert[..., 0].flatten()
+        grouped_attention = pick_grouped(cfg.kernel)
+        out, lse = grouped_attention(q_rows, first, expert_k, expert_v, expert_ok, scale, per_query > 1, shared)
+        if per_query == 1:
+            return out.view(b, h, n, d)
+        # further experts hold routed keys only; one softmax across all of a query's experts
+        q_rest, rest_expert = q_rows.repeat_interleave(per_query - 1, dim=0), expert[..., 1:].flatten()
+        rest, rest_lse = grouped_attention(q_rest, rest_expert, expert_k, expert_v, expert_ok, scale, True)
+        out = merge(
+            torch.cat([out[:, None], rest.view(-1, per_query - 1, d)], dim=1),
+            torch.cat([lse[:, None], rest_lse.view(-1, per_query - 1)], dim=1),
+        )
+        return out.view(b, h, n, d)

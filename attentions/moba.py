@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
-from .grouped import grouped_attention, merge
+from .grouped import merge
+from .grouped_triton import check_kernel, pick_grouped
 from .registry import register
 
 # block scores [B, H, chunk, N / block_size] computed at once, in elements (bounds memory, not results)
@@ -34,6 +35,9 @@ class MoBAConfig:
     topk: int = 2
     # always attend to the query's own block (it takes one of the topk slots)
     include_own_block: bool = True
+    # grouped attention kernels: "torch", "triton" (CUDA, or CPU under TRITON_INTERPRET=1), or
+    # "auto" (the PyTorch path until the Triton kernels are validated and timed on a GPU)
+    kernel: str = "auto"
 
 
 def _real_keys(mask: Optional[torch.Tensor], q: torch.Tensor) -> torch.Tensor:
@@ -131,6 +135,7 @@ class MoBAAttention(Attention):
         for name in ("block_size", "topk"):
             if getattr(cfg, name) < 1:
                 raise AttentionError(f"moba {name} must be a positive integer, got {getattr(cfg, name)}")
+        check_kernel(cfg.kernel, "moba")
 
     def budget(self) -> str:
         return f"topk x block_size = {self.cfg.topk * self.cfg.block_size}"
@@ -156,6 +161,7 @@ class MoBAAttention(Attention):
         if mask is not None or pad:
             real = F.pad(_real_keys(mask, q), (0, pad)).view(b, 1, blocks, size).expand(b, h, blocks, size)
             block_ok = real.reshape(b * h * blocks, size)
+        grouped_attention = pick_grouped(cfg.kernel)
         out, lse = grouped_attention(
             q.reshape(b * h * n, d).repeat_interleave(per_query, dim=0),
             expert.flatten(),

@@ -16,6 +16,11 @@ rows within tolerance and fails when fewer than MIN_AGREEING are or the median r
 
     python scripts/device_check.py --out results/device-check   # default device: cuda
 
+Backends with a ``kernel`` option (MiTA, MoBA) get one row per kernel, ``mita[torch]`` and
+``mita[triton]``, each against the CPU float32 result of the PyTorch kernel. On the CPU the Triton
+rows run only under Triton's interpreter (TRITON_INTERPRET=1, set before Python starts) and are
+skipped otherwise.
+
 ``--device cpu`` runs the same comparison on the CPU, which is how the test suite exercises this
 script without an accelerator. CPU autocast keeps softmax, exp, sum and the other reductions in
 bf16 where CUDA autocast computes them in float32, so on the CPU the check adds CUDA's float32 rule
@@ -26,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import sys
 from pathlib import Path
@@ -38,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from attentions import build_attention, get_attention, list_attentions  # noqa: E402
+from attentions.registry import config_fields  # noqa: E402
 from attentions.check import Sizes, padding_mask, real_lengths  # noqa: E402
 from lra.bench_env import hardware, versions  # noqa: E402
 
@@ -112,11 +117,40 @@ def verdict(name: str, errs: Dict[str, torch.Tensor], tol: float, max_median: fl
     return summary
 
 
-def check_backend(name: str, device: torch.device, n: int, seed: int) -> Dict[str, object]:
+def rows_to_check(names: List[str], kernels: List[str]) -> List[Dict[str, Optional[str]]]:
+    """One row per backend, or per (backend, kernel) for a backend with a ``kernel`` option."""
+    rows = []
+    for name in names:
+        if "kernel" in config_fields(name):
+            rows += [{"backend": name, "kernel": k, "row": f"{name}[{k}]"} for k in kernels]
+        else:
+            rows.append({"backend": name, "kernel": None, "row": name})
+    return rows
+
+
+def skip_reason(kernel: Optional[str], device: torch.device) -> Optional[str]:
+    """Why a row cannot run here, or None."""
+    if kernel != "triton":
+        return None
+    from attentions.grouped_triton import interpreting, triton_installed
+
+    if not triton_installed():
+        return "Triton not installed (pip install triton)"
+    if device.type != "cuda" and not interpreting():
+        return "Triton on the CPU needs TRITON_INTERPRET=1"
+    return None
+
+
+def check_backend(name: str, device: torch.device, n: int, seed: int, kernel: Optional[str] = None) -> Dict[str, object]:
     b, h, d = 3, 2, 32
+    # the CPU float32 reference runs the PyTorch kernel; the module checked runs the row's kernel,
+    # with the same weights (same seed)
+    options = {} if kernel is None else {"kernel": kernel}
     torch.manual_seed(seed)
-    cpu_attn = build_attention(name, num_heads=h, head_dim=d, max_len=n).eval()
-    dev_attn = copy.deepcopy(cpu_attn).to(device)
+    cpu_attn = build_attention(name, num_heads=h, head_dim=d, max_len=n, **({} if kernel is None else {"kernel": "torch"}))
+    torch.manual_seed(seed)
+    dev_attn = build_attention(name, num_heads=h, head_dim=d, max_len=n, **options).to(device)
+    cpu_attn.eval(), dev_attn.eval()
     sizes = Sizes(batch=b, heads=h, length=n, head_dim=d)
     gen = torch.Generator().manual_seed(seed)
     qkv = [torch.randn(b, h, n, d, generator=gen) for _ in range(3)]
@@ -126,7 +160,9 @@ def check_backend(name: str, device: torch.device, n: int, seed: int) -> Dict[st
     mask = padding_mask(sizes) if supports_mask else None
     rows = mask if mask is not None else torch.ones(b, n, dtype=torch.bool)
     ref = run(cpu_attn, qkv, mask, torch.device("cpu"), autocast=False)
-    result: Dict[str, object] = {"backend": name, "masked": supports_mask}
+    result: Dict[str, object] = {"backend": name if kernel is None else f"{name}[{kernel}]", "masked": supports_mask}
+    if kernel is not None:
+        result["kernel"] = kernel
     outs = {}
     for label, autocast in (("fp32", False), ("bf16", True)):
         got = run(dev_attn, qkv, mask, device, autocast)
@@ -171,6 +207,9 @@ def table(results: List[Dict[str, object]]) -> str:
         if "error" in r:
             lines.append(f"| {r['backend']} | error: {r['error']} | | | | FAIL |")
             continue
+        if "skipped" in r:
+            lines.append(f"| {r['backend']} | skipped: {r['skipped']} | | | | SKIP |")
+            continue
         fp32, bf16 = r["fp32"], r["bf16"]
         grads = max(fp32[g]["max_row_err"] for g in ("dq", "dk", "dv"))
         status = "PASS" if all(x.get("status", "PASS") == "PASS" for x in (fp32, bf16, r.get("padding", {}))) else "FAIL"
@@ -188,6 +227,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--length", type=int, default=256, help="sequence length of the comparison (default 256)")
     parser.add_argument("--flash-length", type=int, default=4096, help="length of the SDPA-flash check on CUDA")
     parser.add_argument("--attn", default="", help="comma-separated backends (default: every registered one)")
+    parser.add_argument("--kernels", default="torch,triton",
+                        help="kernels of the backends that have a kernel option (default torch,triton)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="", help="folder for check.json and check.md (default: print only)")
     args = parser.parse_args(argv)
@@ -200,12 +241,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     if unknown:
         print(f"error: unknown backend(s) {', '.join(unknown)}; valid: {', '.join(list_attentions())}", file=sys.stderr)
         return 2
+    kernels = [k for k in args.kernels.split(",") if k]
+    if sorted(set(kernels) - {"auto", "torch", "triton"}):
+        print(f"error: unknown kernel(s) in {args.kernels!r}; valid: auto, torch, triton", file=sys.stderr)
+        return 2
     results = []
-    for name in names:
-        try:
-            results.append(check_backend(name, device, args.length, args.seed))
-        except Exception as err:  # noqa: BLE001 - a backend that crashes is a result, the others still run
-            results.append({"backend": name, "error": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"})
+    for row in rows_to_check(names, kernels):
+        reason = skip_reason(row["kernel"], device)
+        if reason is not None:
+            results.append({"backend": row["row"], "kernel": row["kernel"], "skipped": reason})
+        else:
+            try:
+                results.append(check_backend(row["backend"], device, args.length, args.seed, row["kernel"]))
+            except Exception as err:  # noqa: BLE001 - a backend that crashes is a result, the others still run
+                message = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+                results.append({"backend": row["row"], "error": f"{type(err).__name__}: {message}"})
         print(table(results[-1:]).splitlines()[-1], flush=True)
     flash = sdpa_flash_check(device, args.flash_length) if device.type == "cuda" else None
     record = {"hardware": hardware(device), "versions": versions(), "length": args.length,

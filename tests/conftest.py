@@ -5,10 +5,15 @@ import os
 import tarfile
 from pathlib import Path
 
-import pytest
-import torch
+# Triton's interpreter runs the Triton kernels on CPU tensors (tests/test_grouped_triton.py). Triton
+# reads TRITON_INTERPRET once, when triton is first imported, so it is set here, before any test
+# module imports anything; `TRITON_INTERPRET=0 pytest` turns it off (those tests then skip)
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from lra.config import DataConfig
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from lra.config import DataConfig  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from attentions import build_attention, list_attentions
+from attentions.registry import config_fields
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "device_check.py"
 
@@ -23,15 +24,36 @@ def load_script():
 
 
 def test_every_backend_passes_on_cpu(tmp_path: Path) -> None:
-    assert load_script().main(["--device", "cpu", "--length", "128", "--out", str(tmp_path)]) == 0
+    # the Triton rows are left to the next test: under the interpreter they take a minute at this length
+    assert load_script().main(["--device", "cpu", "--length", "128", "--kernels", "torch", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "check.json").read_text())
-    assert [b["backend"] for b in record["backends"]] == list_attentions()
+    rows = [f"{name}[torch]" if "kernel" in config_fields(name) else name for name in list_attentions()]
+    assert [b["backend"] for b in record["backends"]] == rows
+    assert {"mita[torch]", "moba[torch]"} <= set(rows)
     for backend in record["backends"]:
         assert backend["fp32"]["status"] == "PASS" and backend["bf16"]["status"] == "PASS", backend["backend"]
         # the same module on the same device in float32 is exact; bf16 is not
         assert backend["fp32"]["out"]["max_row_err"] < 1e-5
         assert backend["bf16"]["out"]["median_row_err"] > 0
-    assert "| mita |" in (tmp_path / "check.md").read_text()
+    assert "| mita[torch] |" in (tmp_path / "check.md").read_text()
+
+
+def test_triton_rows_run_under_the_interpreter_and_are_skipped_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
+    from attentions.grouped_triton import interpreting
+
+    if not interpreting():
+        pytest.skip("TRITON_INTERPRET=1 is off (tests/conftest.py sets it unless told 0)")
+    script = load_script()
+    assert script.main(["--device", "cpu", "--attn", "moba", "--length", "64", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "check.json").read_text())
+    assert [b["backend"] for b in record["backends"]] == ["moba[torch]", "moba[triton]"]
+    assert record["backends"][1]["fp32"]["out"]["max_row_err"] < 1e-5
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert script.main(["--device", "cpu", "--attn", "moba", "--length", "64"]) == 0
+    assert "| moba[triton] | skipped: Triton on the CPU needs TRITON_INTERPRET=1 |" in capsys.readouterr().out
 
 
 def test_verdict_fails_a_dense_backend_off_by_one_row() -> None:

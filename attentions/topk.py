@@ -56,7 +56,8 @@ class TopKChunk(torch.autograd.Function):
             if key_bias is not None:
                 scores += key_bias
             top, index = scores.topk(keys, dim=-1, sorted=False)  # [B, H, C, k]
-            weights = top.softmax(dim=-1)
+            # the softmax in float32 at least (bf16 scores under autocast), weights in the scores' dtype
+            weights = top.softmax(dim=-1, dtype=torch.promote_types(top.dtype, torch.float32)).to(top.dtype)
             # the k weights laid back into the [C, N] rows: one dense matmul beats gathering k values
             out = scores.zero_().scatter_(-1, index, weights) @ v
         ctx.save_for_backward(q, k_t, v, index, weights)

@@ -238,11 +238,13 @@ def test_triton_kernel_on_cpu_without_the_interpreter_is_an_error(monkeypatch: p
         attn(q, q, q)
 
 
-def test_auto_keeps_the_torch_path_and_is_the_yaml_default() -> None:
+def test_auto_is_triton_on_cuda_only_and_is_the_yaml_default() -> None:
     from lra.config import resolve
 
-    assert pick_grouped("auto") is grouped_attention and pick_grouped("torch") is grouped_attention
-    assert pick_grouped("triton") is grouped_attention_triton
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert pick_grouped("auto", cpu) is grouped_attention and pick_grouped("torch", cuda) is grouped_attention
+    assert pick_grouped("auto", cuda) is grouped_attention_triton
+    assert pick_grouped("triton", cpu) is grouped_attention_triton
     for name in ("mita", "moba"):
         assert resolve("listops", name).attn_options["kernel"] == "auto"
         assert resolve("listops", name, sets=["attn.kernel=torch"]).attn_options["kernel"] == "torch"

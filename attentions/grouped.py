@@ -248,7 +248,8 @@ def grouped_attention(
     per_group = max(1, expert.numel() // groups)
     shared_tile = min(SHARED_TILE, max(MIN_TILE, 1 << (per_group - 1).bit_length()))
     shared_out, shared_lse = grouped_attention(
-        q, (expert // group).clamp(max=groups), shared_keys, shared_values, shared_ok, scale, True, tile=shared_tile
+        q, torch.where(expert < keys.shape[0], expert // group, groups), shared_keys, shared_values, shared_ok,
+        scale, True, tile=shared_tile,
     )
     out = merge(torch.stack([shared_out, out], dim=1), torch.stack([shared_lse, lse], dim=1))
     return out, torch.logaddexp(shared_lse, lse) if with_lse else q.new_empty(0)

@@ -34,6 +34,13 @@ from .errors import UserError
 
 LENGTH = re.compile(r"^(\d+)([km]?)$")
 DEFAULT_LENGTHS = {"attention": "1k,4k,16k,64k,256k,1m", "model": "64k,256k,1m"}
+# lra-bench model --preset NAME: defaults for the model-level flags (flags given still win).
+# "lra": the encoder of the LRA paper protocol (configs/tasks/listops.yaml: 2 layers, width 64,
+# 2 heads, FFN 128, dropout 0.1) at LRA's lengths, padded batches of 8 on float32 CPU threads
+MODEL_PRESETS: Dict[str, Dict[str, Any]] = {
+    "lra": {"layers": 2, "width": 64, "heads": 2, "ffn_dim": 128, "dropout": 0.1, "lengths": "1k,2k,4k",
+            "batch": 8, "padded": True, "threads": 2},
+}
 
 
 def parse_length(text: str) -> int:
@@ -116,7 +123,24 @@ def parser() -> Parser:
     model.add_argument("--width", type=int, default=128, help="model width C (default 128)")
     model.add_argument("--ffn-dim", type=int, default=256, help="FFN hidden width (default 256)")
     model.add_argument("--dropout", type=float, default=0.0, help="dropout in the training step (default 0)")
+    model.add_argument("--padded", action="store_true",
+                       help="padded batches: row lengths drawn from N/2..N (the first row N), with the padding mask")
+    model.add_argument("--preset", choices=sorted(MODEL_PRESETS),
+                       help="defaults for the other flags; lra: LRA training shapes (2 layers, width 64, 2 heads, "
+                            "FFN 128, dropout 0.1, lengths 1k,2k,4k, padded batches of 8, 2 threads)")
     return p
+
+
+def parse(argv: Optional[List[str]]) -> argparse.Namespace:
+    """Arguments; a model --preset sets the defaults of the flags it names, then they are read again."""
+    p = parser()
+    args = p.parse_args(argv)
+    preset = MODEL_PRESETS.get(getattr(args, "preset", None) or "")
+    if preset:
+        model = next(a for a in p._subparsers._group_actions if a.dest == "level").choices["model"]
+        model.set_defaults(**preset)
+        args = p.parse_args(argv)
+    return args
 
 
 def check_positive(args: argparse.Namespace, names: List[str]) -> None:
@@ -154,6 +178,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         max_mem_gb=max_mem or None, warmup=args.warmup, repeats=args.repeats, estimate=args.estimate,
         slice_queries=args.slice_queries, threads=args.threads, gemm_size=args.gemm_size,
         max_batch=getattr(args, "max_batch", 1), min_gain=getattr(args, "min_gain", 0.0), seed=args.seed,
+        padded=getattr(args, "padded", False),
         attn_options=options,
     )
 
@@ -185,7 +210,7 @@ def rewrite(path: str, with_plot: bool) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = parser().parse_args(argv)
+    args = parse(argv)
     if args.level == "report":
         return rewrite(args.record, not args.no_plot)
     settings = settings_from(args)

@@ -132,7 +132,7 @@ def header(record: Dict[str, Any]) -> List[str]:
     else:
         batch = "searched per point" if s["batch"] is None else str(s["batch"])
         what = (f"{s['layers']}-layer encoder, width {s['width']}, {s['heads']} heads, FFN {s['ffn_dim']}, "
-                f"batch {batch}")
+                f"batch {batch}" + (", padded rows (lengths N/2..N, masked)" if s.get("padded") else ""))
         modes = "forward = one inference step; train = forward + backward + AdamW step"
     load = record["load_average"]
     threads = s["threads"] or hw["torch_threads"]

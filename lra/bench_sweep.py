@@ -56,6 +56,8 @@ class Settings:
     max_batch: int
     min_gain: float
     seed: int = 0
+    # model level: padded batches (row lengths N/2..N with the padding mask) instead of full rows
+    padded: bool = False
     # seconds a child may run past its budget (to finish the run in flight) before it is killed
     slack_s: float = 60.0
     attn_options: Dict[str, Dict[str, Any]] = field(default_factory=dict)
@@ -153,7 +155,7 @@ def measure_gemm(settings: Settings, workdir: Path) -> Optional[Dict[str, Any]]:
 
 
 # settings that mean nothing at the other level, left out of its record
-UNUSED = {"attention": ("layers", "width", "ffn_dim", "dropout", "max_batch", "min_gain"), "model": ()}
+UNUSED = {"attention": ("layers", "width", "ffn_dim", "dropout", "max_batch", "min_gain", "padded"), "model": ()}
 
 
 def recorded_settings(settings: Settings) -> Dict[str, Any]:

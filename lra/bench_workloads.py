@@ -112,7 +112,7 @@ def build_model(spec: Dict[str, Any], device: torch.device) -> LRAModel:
     )
     model = LRAModel(
         cfg, spec["backend"], spec["attn_options"], vocab_size=VOCAB, num_classes=CLASSES,
-        max_len=spec["length"], padded=False,
+        max_len=spec["length"], padded=spec.get("padded", False),
     ).to(device)
     if spec["backend"] == "full" and device.type == "cuda":
         for block in model.encoder.blocks:
@@ -121,10 +121,17 @@ def build_model(spec: Dict[str, Any], device: torch.device) -> LRAModel:
 
 
 def model_modes(model: LRAModel, spec: Dict[str, Any], device: torch.device, dtype: torch.dtype) -> Modes:
-    """One inference step and one training step (forward, loss, backward, AdamW) on random tokens."""
+    """One inference step and one training step (forward, loss, backward, AdamW) on random tokens,
+    padded rows when spec["padded"]."""
     gen = torch.Generator(device=device).manual_seed(spec["seed"])
     tokens = torch.randint(0, VOCAB, (spec["batch"], spec["length"]), generator=gen, device=device)  # [B, N]
     labels = torch.randint(0, CLASSES, (spec["batch"],), generator=gen, device=device)  # [B]
+    lengths = None
+    if spec.get("padded", False):
+        # rows of N/2..N real tokens, the first one full, so the batch is padded to N
+        n = spec["length"]
+        lengths = torch.randint(n // 2, n + 1, (spec["batch"],), generator=gen, device=device)  # [B]
+        lengths[0] = n
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     # bf16 autocast on CUDA (weights and optimizer stay float32); float32 throughout on the CPU
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
@@ -132,12 +139,12 @@ def model_modes(model: LRAModel, spec: Dict[str, Any], device: torch.device, dty
     def forward() -> None:
         model.eval()
         with torch.inference_mode(), autocast:
-            model(tokens)
+            model(tokens, lengths)
 
     def train() -> None:
         model.train()
         with autocast:
-            loss = F.cross_entropy(model(tokens).float(), labels)
+            loss = F.cross_entropy(model(tokens, lengths).float(), labels)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -47,6 +47,7 @@ def test_fast_path_matches_reference(case: tuple, small_chunks: bool, monkeypatc
     b, h, n, d, lengths, overrides = case
     if small_chunks:
         monkeypatch.setattr(grouped, "CHUNK_SLOTS", 2 * grouped.MIN_TILE)
+        monkeypatch.setattr(grouped, "SAVE_ELEMENTS", 0)
         monkeypatch.setattr(mita, "ROUTE_ELEMENTS", 16 * 2 * 2 * 8)
     torch.manual_seed(0)
     mask = None if lengths is None else lengths_mask(lengths, n)

@@ -94,6 +94,7 @@ def test_moba_matches_reference(case: tuple, small_chunks: bool, monkeypatch: py
         # two tiles per chunk of the grouped loop (blocks straddle chunk boundaries); 16 queries gated at once
         # (B=2, H=2, 8 blocks)
         monkeypatch.setattr(grouped, "CHUNK_SLOTS", 2 * grouped.MIN_TILE)
+        monkeypatch.setattr(grouped, "SAVE_ELEMENTS", 0)
         monkeypatch.setattr(moba, "GATE_ELEMENTS", 16 * 2 * 2 * 8)
     check_against("moba", moba_ref, case)
 

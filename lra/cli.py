@@ -67,7 +67,8 @@ def run(argv: Optional[List[str]] = None) -> int:
 
     get_task(args.task)
     cfg = resolve(args.task, args.attn, args.preset, args.sets, seed=args.seed)
-    cfg.out = args.out
+    # DIR/ and ./DIR name the same folder as DIR
+    cfg.out = str(Path(args.out))
     if args.data_dir is not None:
         if not Path(args.data_dir).is_dir():
             raise UserError(f"--data-dir {args.data_dir} is not a folder; give the folder that holds the task's files")

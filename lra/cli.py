@@ -128,8 +128,9 @@ def data(argv: Optional[List[str]] = None) -> int:
         return 0
     if args.what not in GENERATED:
         raise UserError(f"cannot generate {args.what!r}; valid: {', '.join(GENERATED)} (the other tasks are read from files)")
-    if args.size < 0 or args.workers < 1:
-        raise UserError("--size must be 0 (official size) or more, and --workers at least 1")
+    if args.size < 0 or args.workers < 1 or args.seed < 0:
+        raise UserError("--size must be 0 (official size) or more, --seed 0 or more and --workers at least 1; "
+                        f"got --size {args.size} --seed {args.seed} --workers {args.workers}")
     cfg = DataConfig(data_dir=args.data_dir, size=args.size, level=args.level, seed=args.seed, workers=args.workers)
     try:
         folder = generate_task_data(get_task(GENERATED[args.what]), cfg)

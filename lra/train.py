@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from attentions import get_attention
+from attentions.check import output_problem
 
 from . import checkpoint as ckpt
 from . import distributed
@@ -113,6 +114,37 @@ def peak_memory_mb(device: torch.device) -> Tuple[float, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "cpu_peak_rss"
 
 
+class BrokenBackend(Exception):
+    """An attention's output broke the contract (attentions.check.output_problem)."""
+
+
+def check_backend(model: LRAModel, split: Split, device: torch.device, bf16: bool, attn: str) -> None:
+    """Run the model once on two training rows and check every attention call's output: its shape,
+    dtype and finiteness. A broken backend (often a plugin) is named here, not deep inside the model."""
+    tokens, lengths, _ = to_device(split, np.arange(min(2, len(split))), device)
+
+    def inspect(module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any], out: Any) -> None:
+        q, mask = args[0], kwargs.get("mask", args[3] if len(args) > 3 else None)
+        # under autocast an op may legitimately give float32 where bfloat16 went in
+        problem = output_problem(out, q, mask, dtypes=(q.dtype, torch.float32) if bf16 else None)
+        if problem:
+            raise BrokenBackend(problem)
+
+    hooks = [block.attn.register_forward_hook(inspect, with_kwargs=True) for block in model.encoder.blocks]
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
+                model(tokens, lengths)
+    except BrokenBackend as err:
+        raise UserError(f"attention {attn!r} broke the contract on its first call: {err}; "
+                        "`lra-check-attn --name NAME` (with the backend's file) runs the whole contract battery")
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.train()
+
+
 def new_state(started_at: str) -> Dict[str, Any]:
     """Everything a resume needs besides the model, optimizer and RNG (checkpoint.STATE_KEYS)."""
     return {
@@ -196,6 +228,7 @@ def run_training(cfg: RunConfig, resume: bool, quiet: bool, held: contextlib.Exi
     model = LRAModel(
         cfg.model, cfg.attn, cfg.attn_options, spec.vocab_size, spec.num_classes, max_len, spec.dual, spec.padded
     ).to(device)
+    check_backend(model, train_split, device, bf16, cfg.attn)
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     budget = model.encoder.blocks[0].attn.budget()

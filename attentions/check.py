@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -92,6 +92,27 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def output_problem(
+    out: object, q: torch.Tensor, mask: Optional[torch.Tensor] = None,
+    dtypes: Optional[Sequence[torch.dtype]] = None, finite: bool = True,
+) -> str:
+    """What in ``out``, a backend's output for ``q`` [B, H, N, D] and ``mask`` [B, N], breaks the contract
+    ("" when nothing does): not a tensor, another shape, a dtype not in ``dtypes`` (default: q's), or
+    (when ``finite``) a non-finite value. The battery below and lra-run's first call both ask it."""
+    if not isinstance(out, torch.Tensor):
+        return f"forward returned {type(out).__name__}, not a tensor"
+    if tuple(out.shape) != tuple(q.shape):
+        return f"output shape {tuple(out.shape)}, expected [B, H, N, D] = {tuple(q.shape)}"
+    if out.dtype not in (dtypes or (q.dtype,)):
+        return f"output is {dtype_name(out.dtype)}; the output must keep the inputs' dtype ({dtype_name(q.dtype)})"
+    if finite and not bool(out.isfinite().all()):
+        real = torch.ones_like(out, dtype=torch.bool) if mask is None else mask[:, None, :, None].expand_as(out)
+        if not bool(out[real].isfinite().all()):
+            return "non-finite output at real positions"
+        return "non-finite output at padded rows (they must be finite; zeros are fine)"
+    return ""
+
+
 class Battery:
     """The checks of one backend; ``build(dtype)`` gives a fresh module with the same weights each time."""
 
@@ -125,19 +146,15 @@ class Battery:
 
     def shapes_and_dtype(self) -> str:
         s = self.sizes
-        expected = (s.batch, s.heads, s.length, s.head_dim)
         masks = [None, self.mask] if self.cls.supports_mask else [None]
         dtypes = sorted({torch.float32, self.dtype}, key=str)
         for dtype in dtypes:
             for mask in masks:
-                out = self.build(dtype)(*make_qkv(s, dtype, self.seed), mask)
-                case = f"{dtype_name(dtype)} inputs {'with' if mask is not None else 'without'} a mask"
-                if not isinstance(out, torch.Tensor):
-                    raise CheckFailed(f"{case}: forward returned {type(out).__name__}, not a tensor")
-                if tuple(out.shape) != expected:
-                    raise CheckFailed(f"{case}: output shape {tuple(out.shape)}, expected [B, H, N, D] = {expected}")
-                if out.dtype != dtype:
-                    raise CheckFailed(f"{case}: output is {dtype_name(out.dtype)}; the output must keep the inputs' dtype")
+                q, k, v = make_qkv(s, dtype, self.seed)
+                problem = output_problem(self.build(dtype)(q, k, v, mask), q, mask, finite=False)
+                if problem:
+                    case = f"{dtype_name(dtype)} inputs {'with' if mask is not None else 'without'} a mask"
+                    raise CheckFailed(f"{case}: {problem}")
         masks_text = "with and without a mask" if len(masks) == 2 else "without a mask"
         return f"{' and '.join(dtype_name(d) for d in dtypes)}, {masks_text}"
 
@@ -146,11 +163,9 @@ class Battery:
         q, k, v = (x.requires_grad_() for x in make_qkv(self.sizes, self.dtype, self.seed))
         mask = self.mask if self.cls.supports_mask else None
         out = attn(q, k, v, mask)
-        if not bool(out.isfinite().all()):
-            real = torch.ones_like(out, dtype=torch.bool) if mask is None else mask[:, None, :, None].expand_as(out)
-            if not bool(out[real].isfinite().all()):
-                raise CheckFailed("non-finite output at real positions")
-            raise CheckFailed("non-finite output at padded rows (they must be finite; zeros are fine)")
+        problem = output_problem(out, q, mask)
+        if problem:
+            raise CheckFailed(problem)
         weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(self.seed + 1), dtype=torch.float64)
         (out * weight.to(out.dtype)).sum().backward()
         if v.grad is None:

@@ -194,16 +194,36 @@ def write(record: Dict[str, Any], out: Path, with_plot: bool) -> Dict[str, Path]
     return paths
 
 
-def rewrite(path: str, with_plot: bool) -> int:
-    """Tables and plot again from a record (after a change of the report, or of a record by hand)."""
+# what the report reads from a sweep record (lra/bench_sweep.py writes them all)
+RECORD_KEYS = ("kind", "level", "hardware", "versions", "settings", "load_average", "points")
+
+
+def read_record(path: str) -> Dict[str, Any]:
+    """A sweep record written by lra-bench; anything else is a one-line error naming the file."""
     try:
         record = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
         raise UserError(f"{path}: cannot read a lra-bench record ({err})")
+    if not isinstance(record, dict):
+        raise UserError(f"{path} holds a JSON {type(record).__name__}, not a lra-bench record (a JSON object)")
     if record.get("kind") != "lra-bench":
         raise UserError(f"{path} is not a lra-bench record (no \"kind\": \"lra-bench\")")
-    record["slopes"] = slopes(record)
-    record["efficiency"] = efficiency(record)
+    missing = [key for key in RECORD_KEYS if key not in record]
+    if missing:
+        raise UserError(f"{path}: the lra-bench record lacks {', '.join(missing)}; rerun the sweep that wrote it")
+    return record
+
+
+def rewrite(path: str, with_plot: bool) -> int:
+    """Tables and plot again from a record (after a change of the report, or of a record by hand)."""
+    record = read_record(path)
+    try:
+        record["slopes"] = slopes(record)
+        record["efficiency"] = efficiency(record)
+        # built once before anything is written, so a malformed record changes no file
+        markdown(record)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError) as err:
+        raise UserError(f"{path}: a malformed lra-bench record ({type(err).__name__}: {err}); rerun the sweep that wrote it")
     paths = write(record, Path(path).parent, with_plot)
     print(" ".join(f"{name}: {path}" for name, path in paths.items()))
     return 0

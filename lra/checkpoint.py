@@ -2,57 +2,122 @@
 
 A run folder ``<out>/<task>_<attn>_<preset>_seed<seed>[-N]/`` holds:
     config.json      the resolved config (a resume must match it)
-    checkpoint.pt    model, optimizer, step, RNG state, best-validation state, counters
+    checkpoint.pt    model, optimizer, step, RNG state, best-validation state, counters, the open
+                     loss window and how many bytes of metrics.jsonl it covers
     metrics.jsonl    one line per logged step and per evaluation
     record.json      the result record, once the run ends (completed or diverged)
-Every file is written to a temporary name and renamed, so a kill never leaves a truncated file.
+    .lock            held by the one process running in the folder (see lra/lock.py)
+Every file but metrics.jsonl is written to a temporary name and renamed; metrics.jsonl is cut back to
+what the checkpoint covers when a run resumes, and started afresh when there is no checkpoint. So a
+run killed at any moment and run again ends with the same files as one never killed.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import IO, Any, Dict, Optional, Tuple
 
 import torch
 
 from .config import RunConfig
 from .errors import UserError
+from .lock import FolderLock, remove_temporaries
 from .record import write_json_atomic
+
+RUN_FILES = ("config.json", "checkpoint.pt", "metrics.jsonl", "record.json", "best_model.pt")
+CHECKPOINT_KEYS = ("model", "optimizer", "state", "rng_cpu", "rng_cuda")
+# everything a resume needs besides the model, optimizer and RNG (train.new_state makes it)
+STATE_KEYS = ("step", "best_acc", "best_step", "best_model", "train_time", "eval_time", "tokens", "peak_mb",
+              "last_loss", "started_at", "losses", "log_bytes")
+BUSY = "{folder} is in use by another lra-run (pid {pid}); wait for it to end or stop it, then run the command again"
 
 
 def run_name(cfg: RunConfig) -> str:
     return f"{cfg.task}_{cfg.attn}_{cfg.preset}_seed{cfg.seed}"
 
 
+def read_config(path: Path) -> Dict[str, Any]:
+    """A run folder's config.json; anything but a JSON object is a one-line error naming the file."""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"{path} is unreadable ({err}); it should hold the run's config as JSON: delete that run "
+                        "folder, or choose another --out")
+    if not isinstance(saved, dict):
+        raise UserError(f"{path} holds a JSON {type(saved).__name__}, not a run's config; delete that run folder, "
+                        "or choose another --out")
+    return saved
+
+
+def same_run(saved: Dict[str, Any], cfg: RunConfig) -> bool:
+    """Whether a saved config is this run's (``out`` aside: a folder may be moved, or named as DIR/)."""
+    return {k: v for k, v in saved.items() if k != "out"} == {k: v for k, v in cfg.to_dict().items() if k != "out"}
+
+
+def abandoned(folder: Path) -> bool:
+    """A folder holding only a lock and temporaries: a run killed while claiming it (before its config.json)."""
+    return not (folder / "config.json").exists() and all(p.name.startswith(".") for p in folder.iterdir())
+
+
 def choose_run_dir(cfg: RunConfig, resume: bool) -> Path:
     """The folder this run writes to: an unfinished run of the same config is continued;
     a finished one is never overwritten (a new ``-N`` folder is made instead)."""
-    out = Path(cfg.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-")
-        probe.close()
-    except OSError as err:
-        raise UserError(f"cannot write to the output folder {out}: {err.strerror}; choose another with --out")
     base = run_name(cfg)
-    index = 1
-    while True:
-        folder = out / (base if index == 1 else f"{base}-{index}")
+    finished: Optional[Path] = None
+    for index in itertools.count(1):
+        folder = Path(cfg.out) / (base if index == 1 else f"{base}-{index}")
         if not folder.exists():
-            if resume and index == 1:
+            if resume and finished is not None:
+                raise UserError(f"--resume: the run in {finished} has finished (it has a record.json); nothing to "
+                                f"resume; run without --resume to start a new run (in {folder})")
+            if resume:
                 raise UserError(f"--resume: no run folder {folder} to resume; run without --resume to start one")
             return folder
         # a record is written when a run ends (completed or diverged): such a folder is never reused
-        finished = (folder / "record.json").exists()
-        if not finished and (folder / "config.json").exists():
-            saved = json.loads((folder / "config.json").read_text())
-            if saved == cfg.to_dict():
+        if (folder / "record.json").exists():
+            finished = finished or folder
+        elif abandoned(folder):
+            return folder
+        elif (folder / "config.json").exists():
+            if same_run(read_config(folder / "config.json"), cfg):
                 return folder
             if resume:
                 raise UserError(f"--resume: {folder} holds a run with a different config; drop --resume or use another --out")
-        index += 1
+    raise AssertionError("unreachable")
+
+
+def claim_run_dir(cfg: RunConfig, resume: bool) -> Tuple[Path, FolderLock]:
+    """Choose the run folder and lock it (the caller releases the lock); a new folder gets its config.json.
+
+    The choice is made under a lock on ``--out``, so two commands started together cannot both pick
+    a new folder: the second finds the first's folder and is told which process holds it.
+    """
+    out = Path(cfg.out)
+    if resume and not out.is_dir():
+        raise UserError(f"--resume: no run folder {out / run_name(cfg)} to resume; run without --resume to start one")
+    out_lock = FolderLock(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        out_lock.acquire(wait=True)
+    except OSError as err:
+        raise UserError(f"cannot write to the output folder {out}: {err.strerror}; choose another with --out")
+    with out_lock:
+        folder = choose_run_dir(cfg, resume)
+        folder.mkdir(exist_ok=True)
+        lock = FolderLock(folder)
+        lock.acquire(wait=False, busy=BUSY)
+        try:
+            remove_temporaries(folder, RUN_FILES)
+            if not (folder / "config.json").exists():
+                write_config(folder, cfg)
+        except BaseException:
+            lock.release()
+            raise
+    return folder, lock
 
 
 def save_checkpoint(path: Path, state: Dict[str, Any]) -> None:
@@ -69,24 +134,70 @@ def save_checkpoint(path: Path, state: Dict[str, Any]) -> None:
 
 
 def load_checkpoint(path: Path) -> Optional[Dict[str, Any]]:
+    """The checkpoint at ``path`` (None when there is none); a foreign or damaged file is a one-line error."""
     if not path.exists():
         return None
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # a truncated or foreign file
-        raise UserError(f"the checkpoint {path} is unreadable ({type(err).__name__}); delete it to start over")
+        # torch warns (on stderr) about some foreign pickles before refusing them: the error says enough
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a truncated file, another format, a pickle of other objects
+        raise UserError(f"the checkpoint {path} is unreadable ({type(err).__name__}); delete it to start the run over")
+    problem = checkpoint_problem(saved)
+    if problem:
+        raise UserError(f"the checkpoint {path} {problem}; delete it to start the run over")
+    return saved
+
+
+def checkpoint_problem(saved: Any) -> str:
+    """What makes ``saved`` something other than a checkpoint of this trainer ("" when it is one)."""
+    if not isinstance(saved, dict):
+        return f"holds a {type(saved).__name__}, not a training checkpoint"
+    missing = [k for k in CHECKPOINT_KEYS if k not in saved]
+    if missing:
+        return f"is not a training checkpoint of this suite (it lacks {', '.join(missing)})"
+    state = saved["state"]
+    missing = [k for k in STATE_KEYS if k not in state] if isinstance(state, dict) else ["state"]
+    if missing:
+        return f"lacks state {', '.join(missing)} (written by another version of the suite?)"
+    if not isinstance(state["step"], int) or state["step"] < 0 or not isinstance(state["log_bytes"], int):
+        return f"holds step {state['step']!r} and log size {state['log_bytes']!r}; both must be whole numbers"
+    rng = saved["rng_cpu"]
+    if not isinstance(rng, list) or not rng or not all(isinstance(r, torch.Tensor) and r.dtype == torch.uint8 for r in rng):
+        return "holds no usable random-number state (rng_cpu)"
+    return ""
+
+
+def restore_weights(path: Path, saved: Dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load the model and optimizer; a checkpoint of another model shape is a one-line error."""
+    try:
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as err:
+        detail = " ".join(str(err).split())
+        raise UserError(f"the checkpoint {path} does not fit this run's model ({detail[:240]}); delete it to start "
+                        "the run over")
 
 
 def write_config(folder: Path, cfg: RunConfig) -> None:
     write_json_atomic(folder / "config.json", cfg.to_dict())
 
 
-def truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines logged after ``step`` (they will be logged again after a resume)."""
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+def open_metrics(path: Path, covered: Optional[int]) -> IO[bytes]:
+    """metrics.jsonl, open for appending: cut back to the ``covered`` bytes a checkpoint vouches for,
+    or (no checkpoint) started afresh, dropping whatever a killed earlier attempt logged."""
+    if covered is None:
+        return open(path, "wb")
+    size = path.stat().st_size if path.exists() else 0
+    if size < covered:
+        raise UserError(f"{path} holds {size} bytes but the checkpoint covers the first {covered}: the log was "
+                        "cut or replaced; delete the run folder to start over")
+    os.truncate(path, covered)
+    return open(path, "ab")
+
+
+def append_metric(log: IO[bytes], row: Dict[str, Any]) -> None:
+    """One line of metrics.jsonl, flushed: a kill loses at most the line being written."""
+    log.write((json.dumps(row) + "\n").encode())
+    log.flush()

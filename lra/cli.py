@@ -67,7 +67,8 @@ def run(argv: Optional[List[str]] = None) -> int:
 
     get_task(args.task)
     cfg = resolve(args.task, args.attn, args.preset, args.sets, seed=args.seed)
-    cfg.out = args.out
+    # DIR/ and ./DIR name the same folder as DIR
+    cfg.out = str(Path(args.out))
     if args.data_dir is not None:
         if not Path(args.data_dir).is_dir():
             raise UserError(f"--data-dir {args.data_dir} is not a folder; give the folder that holds the task's files")
@@ -127,8 +128,9 @@ def data(argv: Optional[List[str]] = None) -> int:
         return 0
     if args.what not in GENERATED:
         raise UserError(f"cannot generate {args.what!r}; valid: {', '.join(GENERATED)} (the other tasks are read from files)")
-    if args.size < 0 or args.workers < 1:
-        raise UserError("--size must be 0 (official size) or more, and --workers at least 1")
+    if args.size < 0 or args.workers < 1 or args.seed < 0:
+        raise UserError("--size must be 0 (official size) or more, --seed 0 or more and --workers at least 1; "
+                        f"got --size {args.size} --seed {args.seed} --workers {args.workers}")
     cfg = DataConfig(data_dir=args.data_dir, size=args.size, level=args.level, seed=args.seed, workers=args.workers)
     try:
         folder = generate_task_data(get_task(GENERATED[args.what]), cfg)

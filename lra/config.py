@@ -13,10 +13,11 @@ Unknown keys and values of the wrong type are errors that name the key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import yaml
 
@@ -158,6 +159,8 @@ def _apply_section(cfg: RunConfig, name: str, values: Any, origin: str) -> None:
 
 
 def _apply_file(cfg: RunConfig, values: Dict[str, Any], origin: str, skip: tuple = ()) -> None:
+    if not isinstance(values, dict):
+        raise UserError(f"{origin}: expected a mapping of sections, got {type(values).__name__}")
     for name, section in values.items():
         if name not in skip:
             _apply_section(cfg, name, section, origin)
@@ -182,6 +185,17 @@ def parse_set(item: str) -> tuple:
     return section, key, value
 
 
+def attn_options_for(values: Dict[str, Any], task: str, origin: Path) -> Dict[str, Any]:
+    """A backend file's options for ``task``: its top-level values, then its ``tasks.<task>`` section."""
+    per_task = values.pop("tasks", None) or {}
+    if not isinstance(per_task, dict):
+        raise UserError(f"{origin}: 'tasks' must be a mapping of task name to options, got {type(per_task).__name__}")
+    section = per_task.get(task) or {}
+    if not isinstance(section, dict):
+        raise UserError(f"{origin}: 'tasks.{task}' must be a mapping of option to value, got {section!r:.60}")
+    return {**values, **section}
+
+
 def resolve(task: str, attn: str, preset: str = "paper", sets: Optional[List[str]] = None, seed: int = 0) -> RunConfig:
     """Build the run's configuration from the layers above. Every error is a UserError."""
     cfg = RunConfig(task=task, attn=attn, preset=preset, seed=seed)
@@ -191,15 +205,15 @@ def resolve(task: str, attn: str, preset: str = "paper", sets: Optional[List[str
 
     attn_file = CONFIG_DIR / "attn" / f"{attn}.yaml"
     attn_values = read_yaml(attn_file) if attn_file.exists() else {}
-    per_task = attn_values.pop("tasks", {}) or {}
-    cfg.attn_options.update(attn_values)
-    cfg.attn_options.update(per_task.get(task, {}) or {})
+    cfg.attn_options.update(attn_options_for(attn_values, task, attn_file))
 
     preset_file = CONFIG_DIR / "presets" / f"{preset}.yaml"
     if not preset_file.exists():
         raise UserError(f"unknown preset {preset!r}; valid: {', '.join(list_presets())}")
     preset_values = read_yaml(preset_file)
     task_presets = task_values.get("presets", {}) or {}
+    if not isinstance(task_presets, dict):
+        raise UserError(f"{task_file}: 'presets' must be a mapping of preset name to sections")
     if preset_values.pop("tasks_required", False) and preset not in task_presets:
         has = sorted(n.stem for n in (CONFIG_DIR / "tasks").glob("*.yaml") if preset in (read_yaml(n).get("presets") or {}))
         raise UserError(
@@ -219,25 +233,66 @@ def resolve(task: str, attn: str, preset: str = "paper", sets: Optional[List[str
     return cfg
 
 
+def _finite(v: float) -> bool:
+    return isinstance(v, int) or math.isfinite(v)
+
+
+def _at_least(low: float) -> Callable[[Any], bool]:
+    return lambda v: _finite(v) and v >= low
+
+
+def _positive(v: float) -> bool:
+    return _finite(v) and v > 0
+
+
+# (value, test, what is valid): every number a run reads, checked when the config is resolved
+RANGES: List[Tuple[str, Callable[[Any], bool], str]] = [
+    ("--seed", _at_least(0), "0 or more"),
+    ("model.num_layers", _at_least(1), "at least 1"),
+    ("model.dim", _at_least(1), "at least 1"),
+    ("model.num_heads", _at_least(1), "at least 1"),
+    ("model.ffn_dim", _at_least(1), "at least 1"),
+    ("model.dropout", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    ("train.steps", _at_least(1), "at least 1"),
+    ("train.batch_size", _at_least(1), "at least 1"),
+    ("train.lr", _positive, "a positive, finite number"),
+    ("train.weight_decay", _at_least(0), "0 or more, finite"),
+    ("train.warmup_steps", _at_least(0), "0 or more"),
+    ("train.eval_every", _at_least(1), "at least 1"),
+    ("train.eval_batches", _at_least(0), "0 (all) or more"),
+    ("train.test_batches", _at_least(0), "0 (all) or more"),
+    ("train.grad_clip", _at_least(0), "0 (off) or more, finite"),
+    ("train.log_every", _at_least(1), "at least 1"),
+    ("train.checkpoint_every", _at_least(0), "0 (only at the end) or more"),
+    ("train.threads", _at_least(0), "0 (torch's default) or more"),
+    ("data.max_len", _at_least(0), "0 (the task's default) or more"),
+    ("data.size", _at_least(0), "0 (the official size) or more"),
+    ("data.seed", _at_least(0), "0 or more"),
+    ("data.workers", _at_least(1), "at least 1"),
+]
+
+
+def _value(cfg: RunConfig, path: str) -> Any:
+    value: Any = cfg
+    for part in path.lstrip("-").split("."):
+        value = getattr(value, part)
+    return value
+
+
 def validate(cfg: RunConfig) -> None:
     """Check values that have a fixed set of choices or a valid range."""
+    for path, test, valid in RANGES:
+        if not test(_value(cfg, path)):
+            raise UserError(f"{path} must be {valid}, got {_value(cfg, path)!r}")
     if cfg.model.pooling not in ("mean", "cls"):
         raise UserError(f"model.pooling must be 'mean' or 'cls', got {cfg.model.pooling!r}")
     if cfg.model.dim % cfg.model.num_heads:
         raise UserError(f"model.dim ({cfg.model.dim}) must be divisible by model.num_heads ({cfg.model.num_heads})")
-    for key in ("steps", "batch_size", "eval_every"):
-        if getattr(cfg.train, key) < 1:
-            raise UserError(f"train.{key} must be at least 1, got {getattr(cfg.train, key)}")
-    if cfg.train.lr <= 0:
-        raise UserError(f"train.lr must be positive, got {cfg.train.lr}")
     if cfg.train.precision not in ("auto", "fp32", "bf16"):
         raise UserError(f"train.precision must be auto, fp32 or bf16, got {cfg.train.precision!r}")
-    if not 0.0 <= cfg.model.dropout < 1.0:
-        raise UserError(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
     if cfg.attn not in list_attentions():
         raise UserError(f"unknown attention {cfg.attn!r}; known: {', '.join(list_attentions())}")
     try:
         build_config(cfg.attn, cfg.attn_options)
     except AttentionError as err:
         raise UserError(str(err)) from err
-

@@ -97,8 +97,29 @@ def write_json_atomic(path: Path, data: Dict[str, Any]) -> None:
         raise
 
 
+STATUSES = ("completed", "diverged", "running")
+TEXT_KEYS = ("run_name", "task", "attn", "preset", "memory_kind", "device_name")
+# numbers that may be null (no validation, no test, a diverged run's loss)
+NUMBER_KEYS = ("val_acc", "test_acc", "majority_acc", "final_train_loss", "train_time_s", "eval_time_s",
+               "tokens_per_s", "peak_memory_mb")
+
+
 def validate_record(record: Dict[str, Any]) -> None:
-    """Raise ValueError naming the first missing key (used by tests and by lra-table)."""
+    """Raise ValueError naming the first missing key or ill-typed value (used by tests and by lra-table)."""
     missing = [k for k in RECORD_KEYS if k not in record]
     if missing:
         raise ValueError(f"record is missing {', '.join(missing)}")
+    if record["status"] not in STATUSES:
+        raise ValueError(f"record status is {record['status']!r}; expected one of {', '.join(STATUSES)}")
+    for key in TEXT_KEYS:
+        if not isinstance(record[key], str):
+            raise ValueError(f"record {key} is {record[key]!r}; expected a string")
+    for key in ("seed", "steps", "best_step"):
+        if not isinstance(record[key], int) or isinstance(record[key], bool):
+            raise ValueError(f"record {key} is {record[key]!r}; expected a whole number")
+    for key in NUMBER_KEYS:
+        value = record[key]
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise ValueError(f"record {key} is {value!r:.40}; expected a number or null")
+    if not isinstance(record["finished_at"], (str, type(None))):
+        raise ValueError(f"record finished_at is {record['finished_at']!r}; expected a time stamp")

@@ -8,14 +8,14 @@ DistributedDataParallel and rank 0 writes every file.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
-import json
 import math
 import resource
 import signal
 import time
 from functools import lru_cache
-from typing import Any, Dict, Tuple
+from typing import IO, Any, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from attentions import get_attention
+from attentions.check import output_problem
 
 from . import checkpoint as ckpt
 from . import distributed
@@ -113,8 +114,92 @@ def peak_memory_mb(device: torch.device) -> Tuple[float, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "cpu_peak_rss"
 
 
+class BrokenBackend(Exception):
+    """An attention's output broke the contract (attentions.check.output_problem)."""
+
+
+def check_backend(model: LRAModel, split: Split, device: torch.device, bf16: bool, attn: str) -> None:
+    """Run the model once on two training rows and check every attention call's output: its shape,
+    dtype and finiteness. A broken backend (often a plugin) is named here, not deep inside the model."""
+    tokens, lengths, _ = to_device(split, np.arange(min(2, len(split))), device)
+
+    def inspect(module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any], out: Any) -> None:
+        q, mask = args[0], kwargs.get("mask", args[3] if len(args) > 3 else None)
+        # under autocast an op may legitimately give float32 where bfloat16 went in
+        problem = output_problem(out, q, mask, dtypes=(q.dtype, torch.float32) if bf16 else None)
+        if problem:
+            raise BrokenBackend(problem)
+
+    hooks = [block.attn.register_forward_hook(inspect, with_kwargs=True) for block in model.encoder.blocks]
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
+                model(tokens, lengths)
+    except BrokenBackend as err:
+        raise UserError(f"attention {attn!r} broke the contract on its first call: {err}; "
+                        "`lra-check-attn --name NAME` (with the backend's file) runs the whole contract battery")
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.train()
+
+
+def new_state(started_at: str) -> Dict[str, Any]:
+    """Everything a resume needs besides the model, optimizer and RNG (checkpoint.STATE_KEYS)."""
+    return {
+        "step": 0, "best_acc": -1.0, "best_step": 0, "best_model": None, "train_time": 0.0,
+        "eval_time": 0.0, "tokens": 0, "peak_mb": 0.0, "last_loss": float("nan"), "started_at": started_at,
+        # the losses since the last logged mean, and the bytes of metrics.jsonl written so far
+        "losses": [], "log_bytes": 0,
+    }
+
+
+def resume_or_start(
+    run_dir: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: RunConfig, d: distributed.Dist,
+    device: torch.device, started_at: str,
+) -> Tuple[Dict[str, Any], Optional[IO[bytes]]]:
+    """The run's state and its metrics log (rank 0's): from the checkpoint when there is one, else new."""
+    path = run_dir / "checkpoint.pt"
+    saved = ckpt.load_checkpoint(path)
+    if saved is None:
+        torch.manual_seed(cfg.seed * 1000 + d.rank + 1)
+        state = new_state(started_at)
+    else:
+        ckpt.restore_weights(path, saved, model, optimizer)
+        state = saved["state"]
+        rng = saved["rng_cpu"]
+        torch.set_rng_state(rng[d.rank] if d.rank < len(rng) else rng[0])
+        if device.type == "cuda" and saved["rng_cuda"] is not None:
+            torch.cuda.set_rng_state(saved["rng_cuda"].cpu())
+    covered = None if saved is None else state["log_bytes"]
+    return state, ckpt.open_metrics(run_dir / "metrics.jsonl", covered) if d.main else None
+
+
+def claim_run_dir(cfg: RunConfig, resume: bool, d: distributed.Dist, held: contextlib.ExitStack) -> Any:
+    """Rank 0 chooses and locks the run folder (unlocked when ``held`` closes); every rank gets its path."""
+    run_dir = None
+    if d.main:
+        run_dir, lock = ckpt.claim_run_dir(cfg, resume)
+        held.callback(lock.release)
+    if d.enabled:
+        holder = [run_dir]
+        torch.distributed.broadcast_object_list(holder, src=0)
+        run_dir = holder[0]
+    assert run_dir is not None
+    return run_dir
+
+
 def train(cfg: RunConfig, resume: bool = False, quiet: bool = False) -> Dict[str, Any]:
-    """Train ``cfg.attn`` on ``cfg.task``; write and return the result record."""
+    """Train ``cfg.attn`` on ``cfg.task``; write and return the result record.
+
+    The run folder is locked from when it is chosen until the record is written (or the run stops).
+    """
+    with contextlib.ExitStack() as held:
+        return run_training(cfg, resume, quiet, held)
+
+
+def run_training(cfg: RunConfig, resume: bool, quiet: bool, held: contextlib.ExitStack) -> Dict[str, Any]:
     started_at = now()
     tc = cfg.train
     device = pick_device(tc.device)
@@ -143,38 +228,13 @@ def train(cfg: RunConfig, resume: bool = False, quiet: bool = False) -> Dict[str
     model = LRAModel(
         cfg.model, cfg.attn, cfg.attn_options, spec.vocab_size, spec.num_classes, max_len, spec.dual, spec.padded
     ).to(device)
+    check_backend(model, train_split, device, bf16, cfg.attn)
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     budget = model.encoder.blocks[0].attn.budget()
 
-    run_dir = ckpt.choose_run_dir(cfg, resume) if d.main else None
-    if d.enabled:
-        holder = [run_dir]
-        torch.distributed.broadcast_object_list(holder, src=0)
-        run_dir = holder[0]
-    assert run_dir is not None
-    if d.main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.write_config(run_dir, cfg)
-    metrics_path = run_dir / "metrics.jsonl"
-
-    # everything a resume needs besides the model and optimizer
-    state: Dict[str, Any] = {
-        "step": 0, "best_acc": -1.0, "best_step": 0, "best_model": None, "train_time": 0.0,
-        "eval_time": 0.0, "tokens": 0, "peak_mb": 0.0, "last_loss": float("nan"), "started_at": started_at,
-    }
-    saved = ckpt.load_checkpoint(run_dir / "checkpoint.pt")
-    if saved is not None:
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        state = saved["state"]
-        torch.set_rng_state(saved["rng_cpu"][d.rank] if d.rank < len(saved["rng_cpu"]) else saved["rng_cpu"][0])
-        if device.type == "cuda" and saved.get("rng_cuda") is not None:
-            torch.cuda.set_rng_state(saved["rng_cuda"].cpu() if hasattr(saved["rng_cuda"], "cpu") else saved["rng_cuda"])
-        if d.main:
-            ckpt.truncate_metrics(metrics_path, state["step"])
-    else:
-        torch.manual_seed(cfg.seed * 1000 + d.rank + 1)
+    run_dir = claim_run_dir(cfg, resume, d, held)
+    state, log = resume_or_start(run_dir, model, optimizer, cfg, d, device, started_at)
 
     net = torch.nn.parallel.DistributedDataParallel(model) if d.enabled else model
 
@@ -185,6 +245,8 @@ def train(cfg: RunConfig, resume: bool = False, quiet: bool = False) -> Dict[str
             gathered: list = [None] * d.world_size
             torch.distributed.all_gather_object(gathered, rng[0])
             rng = gathered
+        if log is not None:
+            state["log_bytes"] = log.tell()
         if d.main:
             ckpt.save_checkpoint(run_dir / "checkpoint.pt", {
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": state, "rng_cpu": rng,
@@ -200,8 +262,7 @@ def train(cfg: RunConfig, resume: bool = False, quiet: bool = False) -> Dict[str
     tokens_per_step = tc.batch_size * max_len * (2 if spec.dual else 1)
     local = tc.batch_size // d.world_size
     bar = tqdm(total=tc.steps, initial=state["step"], desc=f"{cfg.task}/{cfg.attn}", disable=quiet or not d.main)
-    status, message, losses = "completed", "", []
-    log = open(metrics_path, "a") if d.main else None
+    status, message = "completed", ""
     try:
         while state["step"] < tc.steps:
             step = state["step"]
@@ -233,14 +294,14 @@ def train(cfg: RunConfig, resume: bool = False, quiet: bool = False) -> Dict[str
             state["train_time"] += time.perf_counter() - t0
             state["tokens"] += tokens_per_step
             state["step"] = step = step + 1
-            losses.append(global_loss)
+            state["losses"].append(global_loss)
             bar.update(1)
 
-            if step % tc.log_every == 0 and log is not None:
-                state["last_loss"] = sum(losses) / len(losses)
-                losses = []
-                log.write(json.dumps({"step": step, "loss": state["last_loss"], "lr": lr}) + "\n")
-                log.flush()
+            if step % tc.log_every == 0:
+                state["last_loss"] = sum(state["losses"]) / len(state["losses"])
+                state["losses"] = []
+                if log is not None:
+                    ckpt.append_metric(log, {"step": step, "loss": state["last_loss"], "lr": lr})
             if step % tc.eval_every == 0 or step == tc.steps:
                 t1 = time.perf_counter()
                 acc, val_loss = evaluate(net, val_split, tc.batch_size, tc.eval_batches, device, d, bf16)
@@ -248,8 +309,7 @@ def train(cfg: RunConfig, resume: bool = False, quiet: bool = False) -> Dict[str
                 if acc > state["best_acc"]:
                     state.update(best_acc=acc, best_step=step, best_model=copy.deepcopy(model.state_dict()))
                 if log is not None:
-                    log.write(json.dumps({"step": step, "val_acc": acc, "val_loss": val_loss}) + "\n")
-                    log.flush()
+                    ckpt.append_metric(log, {"step": step, "val_acc": acc, "val_loss": val_loss})
                 bar.set_postfix(loss=f"{global_loss:.3f}", val=f"{acc:.3f}", tok_s=f"{state['tokens'] / state['train_time']:.0f}")
             if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.steps:
                 save()
@@ -263,8 +323,8 @@ def train(cfg: RunConfig, resume: bool = False, quiet: bool = False) -> Dict[str
         for s, handler in old_handlers.items():
             signal.signal(s, handler)
 
-    if losses:
-        state["last_loss"] = sum(losses) / len(losses)
+    if state["losses"]:
+        state["last_loss"] = sum(state["losses"]) / len(state["losses"])
     if status == "completed" and state["best_model"] is not None:
         model.load_state_dict(state["best_model"])
         test_acc, _ = evaluate(net, test_split, tc.batch_size, tc.test_batches, device, d, bf16)
@@ -289,8 +349,10 @@ def train(cfg: RunConfig, resume: bool = False, quiet: bool = False) -> Dict[str
     if d.main:
         if status == "completed":
             ckpt.save_checkpoint(run_dir / "best_model.pt", state["best_model"])
-            (run_dir / "checkpoint.pt").unlink(missing_ok=True)
         write_json_atomic(run_dir / "record.json", record)
+        # after the record: a kill in between leaves a finished folder, never a checkpoint-less unfinished one
+        if status == "completed":
+            (run_dir / "checkpoint.pt").unlink(missing_ok=True)
     record["run_dir"] = str(run_dir)
     distributed.teardown(d)
     return record

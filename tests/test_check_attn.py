@@ -44,6 +44,9 @@ BROKEN: Dict[str, tuple] = {
                              "padding invariance: FAIL", "when padded queries changed"),
     "drops-to-float32": (f"        return {SDPA}.float()\n",
                          "shapes and dtype kept: FAIL", "output is float32"),
+    "wrong-shape": (f"        return {SDPA}[:, :, 1:]\n",
+                    "shapes and dtype kept: FAIL", "output shape (3, 2, 63, 16), expected [B, H, N, D] = (3, 2, 64, 16)"),
+    "not-a-tensor": (f"        return ({SDPA},)\n", "shapes and dtype kept: FAIL", "forward returned tuple, not a tensor"),
     "nan-padded-rows": ("        real = torch.ones_like(q[:, 0, :, 0], dtype=torch.bool) if mask is None else mask\n"
                         f"        return {SDPA} * torch.where(real[:, None, :, None], 1.0, float('nan'))\n",
                         "forward and backward finite: FAIL", "at padded rows"),

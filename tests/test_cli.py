@@ -71,6 +71,29 @@ def test_lra_data_generate_writes_official_files(tmp_path: Path) -> None:
     assert all((folder / f"basic_{s}.tsv").exists() for s in ("val", "test"))
 
 
+def test_lra_data_generate_rerun_removes_what_a_killed_write_left(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 14: an interrupted `lra-data generate` left a `.basic_train.tsv.*` temporary file behind."""
+    folder = tmp_path / "listops_n40_seed0"
+    folder.mkdir()
+    # what a SIGKILL during the write of basic_train.tsv leaves: its half-written temporary file
+    (folder / ".basic_train.tsv.x7k2q9").write_text("Source\tTarget\n( [MAX 1")
+    # and a write stopped by Ctrl-C after it made its temporary file
+    from lra.tasks import listops_gen
+
+    def interrupted(rows: list, path: Path) -> None:
+        (path.parent / f".{path.name}.ctrlc").write_text("partial")
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(listops_gen, "write_split", interrupted)
+        assert cli.guarded("lra-data", lambda: cli.data(["generate", "listops", "--size", "40", "--data-dir", str(tmp_path)])) == 130
+    assert cli.data(["generate", "listops", "--size", "40", "--data-dir", str(tmp_path)]) == 0
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == [".lock", "basic_test.tsv", "basic_train.tsv", "basic_val.tsv"]
+    assert len((folder / "basic_train.tsv").read_text().splitlines()) == 41
+
+
 @pytest.fixture(scope="module")
 def smoke_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One folder whose ./data holds the smoke preset's generated ListOps set, shared by the runs."""

@@ -147,6 +147,19 @@ def test_generator_refuses_to_mix_sets(tmp_path: Path) -> None:
         write.generate(tmp_path, p, size=4, seed=0)
 
 
+def test_a_rerun_removes_what_a_killed_generator_left(tmp_path: Path) -> None:
+    p = draw.lra_params(32, "curv_baseline")
+    write.generate(tmp_path, p, size=4, seed=0)
+    # a kill while metadata/0.npy or generator.json was being written leaves their temporary files
+    (tmp_path / "metadata" / "0.npy").unlink()
+    (tmp_path / "metadata" / ".0-k1ll3d").write_text("imgs/0 sample_0.png 0 1")
+    (tmp_path / f".{write.MANIFEST}.k1ll3d").write_text('{"generator": ')
+    write.generate(tmp_path, p, size=4, seed=0)
+    assert sorted(p.name for p in (tmp_path / "metadata").iterdir()) == ["0.npy"]
+    assert not list(tmp_path.glob(f".{write.MANIFEST}.*"))
+    assert len((tmp_path / "metadata" / "0.npy").read_text().splitlines()) == 4
+
+
 def test_unfinished_generation_is_refused_not_read(tmp_path: Path) -> None:
     """A folder whose generator.json promises more images than its metadata lists is still being
     written (or was interrupted): reading it would train on a fraction of the set."""

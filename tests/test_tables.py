@@ -213,3 +213,31 @@ def test_unreadable_record_is_skipped_with_a_note(tmp_path: Path, capsys: pytest
     err = capsys.readouterr().err
     assert "skipped" in err and "broken" in err and "record is missing" in err
     assert "| full | this suite" in (out / "accuracy.md").read_text()
+
+
+BROKEN_RECORDS = {
+    "not-json": "{\"schema\": ",
+    "binary": b"\x80\x81\x00\xff",
+    "a-list": "[1, 2]",
+    "missing-fields": "{\"schema\": 1}",
+    "wrong-type": "WRONG_TYPE",
+}
+
+
+def test_each_unreadable_record_is_one_stderr_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    write_runs(tmp_path / "runs", RECORDS[:1])
+    good = json.loads(next((tmp_path / "runs").glob("*/record.json")).read_text())
+    for name, content in BROKEN_RECORDS.items():
+        (tmp_path / "runs" / name).mkdir()
+        if content == "WRONG_TYPE":
+            content = json.dumps({**good, "test_acc": "high", "run_name": name})
+        path = tmp_path / "runs" / name / "record.json"
+        path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+    capsys.readouterr()
+    out = run_table(tmp_path, "--no-plots")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == len(BROKEN_RECORDS), err
+    for name, line in zip(sorted(BROKEN_RECORDS), err):
+        assert line.startswith(f"lra-table: skipped {tmp_path / 'runs' / name / 'record.json'}: "), line
+    assert "record test_acc is 'high'; expected a number or null" in "\n".join(err)
+    assert "| full | this suite" in (out / "accuracy.md").read_text()

@@ -15,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +25,7 @@ from typing import Callable, ClassVar, Dict, List, Sequence, Type
 import numpy as np
 
 from ..errors import UserError
+from ..lock import FolderLock
 
 SPLITS = ("train", "val", "test")
 
@@ -169,35 +172,89 @@ def cache_key(sources: Sequence[Path], settings: Dict[str, object]) -> str:
     return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+CHECKSUMS = "checksums.json"
+PARTS = ("tokens", "lengths", "labels")
+
+
+def cache_files() -> List[str]:
+    return [f"{s}.{part}.npy" for s in SPLITS for part in PARTS]
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file's bytes, read in 16 MiB pieces."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def cache_problem(folder: Path) -> str:
+    """Why the cache in ``folder`` cannot be trusted, or "" when every file matches its recorded checksum."""
+    try:
+        sums = json.loads((folder / CHECKSUMS).read_text())
+    except FileNotFoundError:
+        return f"has no {CHECKSUMS} (made by an older version of the suite, or cut short)"
+    except (OSError, ValueError) as err:
+        return f"has an unreadable {CHECKSUMS} ({type(err).__name__})"
+    for name in cache_files():
+        if not (folder / name).is_file():
+            return f"lacks {name}"
+        if not isinstance(sums, dict) or file_digest(folder / name) != sums.get(name):
+            return f"holds a {name} that does not match its checksum"
+    return ""
+
+
+def read_cache(folder: Path) -> Dict[str, Split]:
+    """The splits of a verified cache, memory-mapped."""
+    return {s: Split(*(np.load(folder / f"{s}.{part}.npy", mmap_mode="r") for part in PARTS)) for s in SPLITS}
+
+
+def store_cache(folder: Path, splits: Dict[str, Split]) -> None:
+    """Write ``splits`` and their checksums to a temporary folder, then rename it to ``folder``.
+
+    Under the lock of the cache root, so the temporaries a killed writer left can be removed first."""
+    root = folder.parent
+    root.mkdir(parents=True, exist_ok=True)
+    with FolderLock(root) as lock:
+        lock.acquire(wait=True, note="lra: waiting for process {pid}, which is writing to {folder}")
+        for leftover in root.glob(".*"):
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{folder.name}."))
+        for s, split in splits.items():
+            for part in PARTS:
+                np.save(tmp / f"{s}.{part}.npy", getattr(split, part))
+        (tmp / CHECKSUMS).write_text(json.dumps({name: file_digest(tmp / name) for name in cache_files()}, indent=1))
+        if folder.exists():
+            # a damaged cache being replaced (or one another process stored meanwhile)
+            old = Path(tempfile.mkdtemp(dir=root, prefix=f".{folder.name}.old."))
+            os.replace(folder, old / folder.name)
+            shutil.rmtree(old)
+        os.replace(tmp, folder)
+
+
 def cached_splits(
     data_dir: str, task: str, key: str, build: Callable[[], Dict[str, Split]]
 ) -> Dict[str, Split]:
     """Load splits from ``<data_dir>/.cache/<task>-<key>/`` or build them and store them there.
 
-    Arrays are stored as .npy files and memory-mapped on later loads. Writes go to a temporary
-    folder that is renamed into place, so a killed run never leaves a half-written cache.
+    Arrays are stored as .npy files with their SHA-256 in checksums.json, checked on every load and
+    memory-mapped. A cache that fails the check (or cannot be read) is never trained on: it is
+    rebuilt from the sources, with a one-line notice on stderr. Writes go to a temporary folder that
+    is renamed into place, so a killed run never leaves a half-written cache.
     """
     folder = Path(data_dir) / ".cache" / f"{task}-{key}"
     if folder.is_dir():
-        try:
-            return {
-                s: Split(*(np.load(folder / f"{s}.{part}.npy", mmap_mode="r") for part in ("tokens", "lengths", "labels")))
-                for s in SPLITS
-            }
-        except (OSError, ValueError) as err:
-            raise UserError(f"the cache {folder} is corrupted ({err}); delete that folder and run again")
+        problem = cache_problem(folder)
+        if not problem:
+            try:
+                return read_cache(folder)
+            except (OSError, ValueError, EOFError) as err:
+                problem = f"cannot be read ({type(err).__name__})"
+        print(f"lra: the token cache {folder} {problem}; rebuilding it from the sources", file=sys.stderr)
     splits = build()
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{task}-tmp-"))
-    for s, split in splits.items():
-        for part in ("tokens", "lengths", "labels"):
-            np.save(tmp / f"{s}.{part}.npy", getattr(split, part))
-    try:
-        os.replace(tmp, folder)
-    except OSError:  # another process stored the same cache first
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
+    store_cache(folder, splits)
     return splits
 
 

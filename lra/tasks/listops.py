@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -34,6 +34,8 @@ from .base import (
 VOCAB = ["<pad>", *map(str, range(10)), "[MIN", "[MAX", "[MED", "[SM", "[FIRST", "[LAST", "]"]
 TOKEN_ID = {tok: i for i, tok in enumerate(VOCAB)}
 FILES = {"train": "basic_train.tsv", "val": "basic_val.tsv", "test": "basic_test.tsv"}
+# the value of an expression: 0-9
+NUM_CLASSES = 10
 
 
 def tokenize(source: str) -> List[str]:
@@ -49,27 +51,37 @@ def encode(source: str, where: str) -> List[int]:
 
 
 def read_split(path: Path, max_len: int) -> Split:
-    """One official TSV file -> token arrays. A malformed row names the file and line."""
-    rows: List[List[int]] = []
-    labels: List[int] = []
+    """One official TSV file -> token arrays. A malformed row names the file and line; so does a
+    file that is not text."""
     csv.field_size_limit(sys.maxsize)
-    with open(path, newline="") as f:
-        reader = csv.reader(f, delimiter="\t")
-        header = next(reader, None)
-        if header != ["Source", "Target"]:
-            raise UserError(f"{path}:1: expected the header 'Source<TAB>Target', got {header!r}")
-        for line, row in enumerate(reader, start=2):
-            if len(row) != 2 or not row[1].strip().isdigit():
-                raise UserError(f"{path}:{line}: expected '<source><TAB><label 0-9>', got {row!r:.80}")
-            rows.append(encode(row[0], f"{path}:{line}"))
-            labels.append(int(row[1]))
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            rows, labels = read_rows(csv.reader(f, delimiter="\t"), path)
+    except (UnicodeDecodeError, csv.Error) as err:
+        raise UserError(f"{path}: not a ListOps TSV file ({type(err).__name__}: {str(err)[:120]}); expected "
+                        "the header 'Source<TAB>Target' and '<source><TAB><label 0-9>' rows")
     tokens, lengths = pad_rows(rows, max_len, dtype=np.uint8)
     return Split(tokens, lengths, np.asarray(labels, dtype=np.int64))
 
 
+def read_rows(reader: Iterator[List[str]], path: Path) -> Tuple[List[List[int]], List[int]]:
+    """Token ids and labels (checked to be one of the 10 classes) of every row after the header."""
+    rows: List[List[int]] = []
+    labels: List[int] = []
+    header = next(reader, None)
+    if header != ["Source", "Target"]:
+        raise UserError(f"{path}:1: expected the header 'Source<TAB>Target', got {header!r:.80}")
+    for line, row in enumerate(reader, start=2):
+        if len(row) != 2 or not row[1].strip().isdecimal() or int(row[1]) >= NUM_CLASSES:
+            raise UserError(f"{path}:{line}: expected '<source><TAB><label 0-9>', got {row!r:.80}")
+        rows.append(encode(row[0], f"{path}:{line}"))
+        labels.append(int(row[1]))
+    return rows, labels
+
+
 @register_task("listops")
 class ListOps(Task):
-    spec = TaskSpec(name="listops", num_classes=10, vocab_size=len(VOCAB), max_len=2000)
+    spec = TaskSpec(name="listops", num_classes=NUM_CLASSES, vocab_size=len(VOCAB), max_len=2000)
     generated = True
 
     def folder_name(self, data: DataConfigLike) -> str:

@@ -23,10 +23,13 @@ from typing import Dict, List, Tuple
 
 from tqdm import tqdm
 
+from ..lock import FolderLock, remove_temporaries
+
 MIN, MAX, MED, SUM_MOD, END = "[MIN", "[MAX", "[MED", "[SM", "]"
 OPERATORS = (MIN, MAX, MED, SUM_MOD)
 VALUE_P = 0.25
 CHUNK = 500
+FILES = ("basic_train.tsv", "basic_val.tsv", "basic_test.tsv")
 
 
 class TooLong(Exception):
@@ -141,20 +144,32 @@ def split_sizes(size: int) -> Tuple[int, int, int]:
 def write_split(rows: List[Tuple[str, int]], path: Path) -> None:
     """Write one official TSV file (header ``Source<TAB>Target``) atomically."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w", newline="") as f:
-        writer = csv.writer(f, delimiter="\t")
-        writer.writerow(["Source", "Target"])
-        writer.writerows(rows)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", newline="") as f:
+            writer = csv.writer(f, delimiter="\t")
+            writer.writerow(["Source", "Target"])
+            writer.writerows(rows)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def generate_files(folder: Path, size: int = 0, seed: int = 0, workers: int = 1) -> Path:
-    """Generate and write ``basic_{train,val,test}.tsv`` into ``folder``; return the folder."""
-    n_train, n_val, n_test = split_sizes(size)
-    rows = generate(n_train + n_val + n_test, seed=seed, workers=workers)
+    """Generate and write ``basic_{train,val,test}.tsv`` into ``folder``; return the folder.
+
+    Under the folder's lock: the temporary files of an earlier, killed write are removed first, and
+    a process that waited for another one writing the same set keeps that set instead of redoing it."""
     folder.mkdir(parents=True, exist_ok=True)
-    write_split(rows[n_train + n_val :], folder / "basic_test.tsv")
-    write_split(rows[n_train : n_train + n_val], folder / "basic_val.tsv")
-    # train last: its presence marks a complete set
-    write_split(rows[:n_train], folder / "basic_train.tsv")
+    with FolderLock(folder) as lock:
+        waited = lock.acquire(wait=True, note="lra: waiting for process {pid}, which is writing to {folder}")
+        remove_temporaries(folder, FILES)
+        if waited and all((folder / name).is_file() for name in FILES):
+            return folder
+        n_train, n_val, n_test = split_sizes(size)
+        rows = generate(n_train + n_val + n_test, seed=seed, workers=workers)
+        write_split(rows[n_train + n_val :], folder / "basic_test.tsv")
+        write_split(rows[n_train : n_train + n_val], folder / "basic_val.tsv")
+        # train last: its presence marks a complete set
+        write_split(rows[:n_train], folder / "basic_train.tsv")
     return folder

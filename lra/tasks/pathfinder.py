@@ -55,7 +55,7 @@ def metadata_rows(path: Path) -> List[Tuple[int, List[str]]]:
     if raw.startswith(NPY_MAGIC):
         try:
             array = np.load(io.BytesIO(raw), allow_pickle=False)
-        except ValueError as err:
+        except (ValueError, EOFError, OSError) as err:
             raise UserError(f"{path}: not a readable NumPy array of strings ({err})")
         return [(i + 1, [str(v) for v in np.atleast_1d(row)]) for i, row in enumerate(np.atleast_2d(array))]
     try:
@@ -99,7 +99,7 @@ def read_image(args: Tuple[Path, Path, int, int]) -> Optional[np.ndarray]:
             if img.size != (side, side):
                 raise UserError(f"{path}: image is {img.size[0]}x{img.size[1]}, expected {side}x{side}")
             pixels = np.asarray(img.convert("L"), dtype=np.uint8).reshape(-1)
-    except (UnidentifiedImageError, OSError) as err:
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
         raise UserError(f"{path}: not a readable PNG ({err})")
     return pixels if pixels.any() else None
 
@@ -114,7 +114,8 @@ def read_folder(
     pool = Pool(workers) if workers > 1 and len(jobs) > 2000 else None
     try:
         images = pool.imap(read_image, jobs, chunksize=500) if pool else map(read_image, jobs)
-        images = tqdm(images, total=len(jobs), desc=f"reading {folder.name}", unit="img", leave=False)
+        # disable=None: a bar on a terminal only (a log or a pipe gets no progress lines)
+        images = tqdm(images, total=len(jobs), desc=f"reading {folder.name}", unit="img", leave=False, disable=None)
         for i, pixels in enumerate(images):
             if pixels is not None:
                 tokens[i], keep[i] = pixels, True

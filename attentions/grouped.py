@@ -251,7 +251,10 @@ def grouped_attention(
         q, torch.where(expert < keys.shape[0], expert // group, groups), shared_keys, shared_values, shared_ok,
         scale, True, tile=shared_tile,
     )
-    out = merge(torch.stack([shared_out, out], dim=1), torch.stack([shared_lse, lse], dim=1))
+    # two parts: softmax weight of the shared part sigmoid(lse_s - lse), one fused lerp (a pair
+    # with no expert in either part has both -inf: weight 0.5 of two zero outputs)
+    weight = torch.sigmoid(torch.nan_to_num(shared_lse - lse, nan=0.0))[:, None]  # [P, 1]
+    out = torch.lerp(out, shared_out, weight)
     return out, torch.logaddexp(shared_lse, lse) if with_lse else q.new_empty(0)
 
 

@@ -218,3 +218,27 @@ def test_batch_search_stops_at_an_estimate_and_at_no_gain(monkeypatch: pytest.Mo
     assert [t["batch"] for t in estimated["batch_search"]] == [1] and estimated["batch"] == 1
     gaining = bench_sweep.search_batch(settings, "mita", 1024, tmp_path)
     assert [t["batch"] for t in gaining["batch_search"]] == [1, 2, 4, 8] and gaining["batch"] == 4
+
+
+def test_lra_preset_sets_the_lra_shapes_and_flags_still_win(tmp_path: Path) -> None:
+    # the preset's values (2 layers, width 64, 2 heads, FFN 128, padded batches of 8), lengths overridden
+    record = bench(tmp_path, "model", "--preset", "lra", "--attn", "mita", "--lengths", "256", "--batch", "2",
+                   "--gemm-size", "0")
+    s = record["settings"]
+    assert (s["layers"], s["width"], s["heads"], s["ffn_dim"], s["dropout"]) == (2, 64, 2, 128, 0.1)
+    assert s["padded"] is True and s["batch"] == 2 and s["threads"] == 1 and s["lengths"] == [256]
+    assert record["points"][0]["status"] == "ok"
+
+
+def test_padded_model_workload_masks_rows_of_different_lengths() -> None:
+    from lra.bench_workloads import build_model, model_modes
+
+    spec = {"backend": "full", "heads": 2, "layers": 1, "width": 16, "ffn_dim": 16, "dropout": 0.0,
+            "attn_options": {}, "length": 64, "batch": 4, "seed": 0, "padded": True}
+    model = build_model(spec, torch.device("cpu"))
+    calls = []
+    model.encoder.blocks[0].attn.register_forward_hook(lambda m, args, kwargs, out: calls.append(kwargs["mask"]),
+                                                       with_kwargs=True)
+    model_modes(model, spec, torch.device("cpu"), torch.float32)["forward"]()
+    mask = calls[0]
+    assert mask is not None and bool(mask[0].all()) and not bool(mask.all())

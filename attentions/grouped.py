@@ -6,7 +6,7 @@ every query its own copy of its expert's keys costs (keys x D) memory per query;
 expert, so each tile reads its expert's keys once and runs one small matmul. The tile size follows
 the pairs each expert really holds (8 to 64), so short sequences with few queries per expert do not
 pay for padded tiles. Tiles are ordered by expert, so the key gradients of a chunk's tiles are
-added into the tables with sorted indices (CPU index_add is several times faster sorted). When the
+added into the tables with sorted indices (multithreaded CPU index_add is faster sorted). When the
 softmax weights of all tiles fit in ``SAVE_ELEMENTS`` they are kept for the backward pass;
 otherwise tiles run a chunk at a time and are recomputed in the backward pass (as flash attention
 does), so memory stays linear in the number of pairs with no large temporaries.
@@ -260,7 +260,8 @@ def grouped_attention(
 
 class GatherRows(torch.autograd.Function):
     """table[rows]: a [R, D] table and rows [X, S] -> [X, S, D]. The backward adds each gradient row
-    back to its table row; on the CPU in sorted row order (index_add is several times faster so)."""
+    back to its table row; on the CPU in sorted row order (64K rows of 32 into 16K: 1.9 ms sorted,
+    sort included, against 5.9 ms unsorted with 2 threads; 3.8 against 2.3 ms with one)."""
 
     @staticmethod
     def forward(ctx, table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -242,3 +242,13 @@ def test_padded_model_workload_masks_rows_of_different_lengths() -> None:
     model_modes(model, spec, torch.device("cpu"), torch.float32)["forward"]()
     mask = calls[0]
     assert mask is not None and bool(mask[0].all()) and not bool(mask.all())
+
+
+def test_step_compare_times_every_backend_on_a_padded_batch() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("step_compare", Path(__file__).parent.parent / "scripts" / "step_compare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    medians = module.compare(["full", "mita"], n=128, batch=2, rounds=2, seed=0)
+    assert set(medians) == {"full", "mita"} and all(t > 0 for t in medians.values())

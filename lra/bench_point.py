@@ -137,7 +137,7 @@ def run_point(spec: Dict[str, Any]) -> Dict[str, Any]:
             cap_address_space(spec["max_mem_gb"])
     baseline = memory_reset(device)
     start = time.perf_counter()
-    kernel = kernel_of(spec.get("backend", ""), device) if spec["level"] != "gemm" else "torch.mm"
+    kernel = kernel_of(spec["backend"], device, spec["attn_options"]) if spec["level"] != "gemm" else "torch.mm"
     try:
         result = LEVELS[spec["level"]](spec, device, dtype, start + spec["budget_s"])
     except OverBudget as err:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attentions import build_attention
+from attentions.registry import config_fields
 
 from .config import ModelConfig
 from .model import LRAModel
@@ -59,10 +60,16 @@ class FlashFull(nn.Module):
         return self.attend(q, k, v)
 
 
-def kernel_of(backend: str, device: torch.device) -> str:
-    """Which implementation a backend runs on in this benchmark."""
+def kernel_of(backend: str, device: torch.device, options: Optional[Dict[str, Any]] = None) -> str:
+    """Which implementation a backend runs on in this benchmark (for a backend with a ``kernel``
+    option, the grouped kernel its setting picks on this device)."""
     if backend == "full":
         return FlashFull().kernel if device.type == "cuda" else "sdpa-cpu"
+    if "kernel" in config_fields(backend):
+        from attentions.grouped_triton import grouped_attention_triton, pick_grouped
+
+        kernel = pick_grouped((options or {}).get("kernel", "auto"), device)
+        return f"attentions.{backend} ({'triton' if kernel is grouped_attention_triton else 'torch'} kernel)"
     return f"attentions.{backend}"
 
 

@@ -353,7 +353,8 @@ def parser() -> Parser:
                    help="folder of run folders holding record.json (default results/runs, the committed reference "
                    "records; lra-run writes to ./runs); may repeat to put several folders in one table")
     p.add_argument("--include-smoke", action="store_true",
-                   help="keep smoke-preset runs in the tables and plots (left out by default: they do not train)")
+                   help="keep smoke-preset runs in the tables and plots (left out by default: their few steps show "
+                   "that the pipeline runs, not what a backend learns)")
     p.add_argument("--out", default="results/tables", help="where to write the tables and plots (default results/tables)")
     p.add_argument("--reference", help="folder of published_lra.csv and published_efficiency.csv (default: the repo's reference/)")
     p.add_argument("--throughput", help="folder of lra-bench sweep records (default: throughput/ beside the first --runs)")

@@ -25,6 +25,7 @@ import torch
 
 from .config import RunConfig
 from .errors import UserError
+from .files import plain_mode
 from .lock import FolderLock, remove_temporaries
 from .record import write_json_atomic
 
@@ -125,7 +126,7 @@ def save_checkpoint(path: Path, state: Dict[str, Any]) -> None:
     os.close(fd)
     try:
         torch.save(state, tmp)
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, plain_mode())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -1,23 +1,33 @@
 """Plots of result records (matplotlib, Agg backend, PNG): accuracy by task, accuracy against training time.
 
-Only completed runs are drawn; a diverged (backend, task) has no bar and no point.
+Only completed runs are drawn; a diverged (backend, task) has no bar and no point. Both plots carry
+the majority-class accuracy of each task, the bar plot the published full-attention numbers beside
+it; error bars appear only where a bar has several seeds; legends sit outside the axes.
 """
 from __future__ import annotations
 
 import io
+import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter  # noqa: E402
 
 from .table_format import write_atomic  # noqa: E402
 
 TASK_ORDER = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
+TITLES = {"listops": "ListOps", "text": "Text", "retrieval": "Retrieval", "image": "Image",
+          "pathfinder": "Pathfinder", "pathx": "Path-X"}
+# rows of reference/published_lra.csv that are full (softmax) attention: (source, model)
+PUBLISHED_FULL = {("tay2021_lra", "Transformer"), ("nystromformer2021", "Standard"),
+                  ("skyformer2021", "Self-attention"), ("xformers_lra", "Standard")}
+Series = Dict[str, Dict[str, List[Dict[str, Any]]]]
 
 
 def save(fig: Any, path: Path) -> Path:
@@ -28,10 +38,10 @@ def save(fig: Any, path: Path) -> Path:
     return path
 
 
-def by_series(records: List[Dict[str, Any]], order: List[str]) -> Dict[str, Dict[str, List[Dict[str, Any]]]]:
+def by_series(records: List[Dict[str, Any]], order: List[str]) -> Series:
     """Completed records by series label ("attn" or "attn (preset)" when several presets) and task."""
     presets = {r["preset"] for r in records}
-    series: Dict[str, Dict[str, List[Dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    series: Series = defaultdict(lambda: defaultdict(list))
     for record in sorted(records, key=lambda r: (order.index(r["attn"]) if r["attn"] in order else len(order), r["preset"])):
         if record["status"] == "completed" and record["test_acc"] is not None:
             label = record["attn"] if len(presets) == 1 else f"{record['attn']} ({record['preset']})"
@@ -39,59 +49,157 @@ def by_series(records: List[Dict[str, Any]], order: List[str]) -> Dict[str, Dict
     return series
 
 
-def mean_std(values: List[float]) -> Tuple[float, float]:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
-def accuracy_bars(series: Dict[str, Dict[str, List[Dict[str, Any]]]], path: Path) -> Path:
-    """Grouped bars: tasks on the x axis, one bar per backend, error bars = std over seeds."""
+def task_order(series: Series) -> List[str]:
     tasks = [t for t in TASK_ORDER if any(t in s for s in series.values())]
-    tasks += sorted({t for s in series.values() for t in s} - set(tasks))
+    return tasks + sorted({t for s in series.values() for t in s} - set(tasks))
+
+
+def majority(series: Series) -> Dict[str, float]:
+    """Majority-class test accuracy (%) of each task (it depends on the test split only)."""
+    return {t: 100.0 * rs[0]["majority_acc"] for s in series.values() for t, rs in s.items()
+            if rs and rs[0].get("majority_acc") is not None}
+
+
+def published_full(published: List[Dict[str, str]]) -> Dict[str, Tuple[float, float, int]]:
+    """Per task, the (lowest, highest, count) of the published full-attention accuracies (%)."""
+    values: Dict[str, List[float]] = defaultdict(list)
+    for row in published:
+        if (row.get("source"), row.get("model")) not in PUBLISHED_FULL:
+            continue
+        for task in TASK_ORDER:
+            text = (row.get("path_x" if task == "pathx" else task) or "").strip()
+            try:
+                values[task].append(float(text))
+            except ValueError:
+                continue
+    return {t: (min(v), max(v), len(v)) for t, v in values.items() if v}
+
+
+def presets_text(series: Series) -> str:
+    presets = sorted({r["preset"] for s in series.values() for rs in s.values() for r in rs})
+    return f"preset {', '.join(presets)}"
+
+
+def accuracy_bars(series: Series, path: Path, published: Optional[List[Dict[str, str]]] = None) -> Path:
+    """Grouped bars: tasks on the x axis, one bar per backend with its value on top; error bars (sample
+    std) only on bars of several seeds; per task a dashed majority-class line and a grey stroke spanning
+    the published full-attention accuracies."""
+    tasks = task_order(series)
     width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(tasks) + 0.3 * len(series)), 4.0))
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.5 * len(tasks) + 0.35 * len(series) * len(tasks)), 4.2))
+    top = 0.0
+    several = False
     for i, (label, per_task) in enumerate(series.items()):
-        xs, means, stds = [], [], []
+        xs, means, stds, counts = [], [], [], []
         for j, task in enumerate(tasks):
-            if per_task.get(task):
-                mean, std = mean_std([100.0 * r["test_acc"] for r in per_task[task]])
+            values = [100.0 * r["test_acc"] for r in per_task.get(task, [])]
+            if values:
                 xs.append(j - 0.4 + width * (i + 0.5))
-                means.append(mean)
-                stds.append(std)
-        ax.bar(xs, means, width, yerr=stds, label=label, capsize=2)
-    ax.set_xticks(range(len(tasks)), tasks)
+                means.append(statistics.fmean(values))
+                stds.append(statistics.stdev(values) if len(values) > 1 else 0.0)
+                counts.append(len(values))
+        several = several or any(stds)
+        ax.bar(xs, means, width * 0.9, label=label, color=f"C{i % 10}")
+        spread = [(x, m, s) for x, m, s, n in zip(xs, means, stds, counts) if n > 1]
+        if spread:
+            ax.errorbar([x for x, _, _ in spread], [m for _, m, _ in spread], yerr=[s for _, _, s in spread],
+                        fmt="none", ecolor="black", capsize=3, linewidth=1)
+        for x, mean, std, count in zip(xs, means, stds, counts):
+            ax.text(x, mean + std + 0.8, f"{mean:.1f}\n{count} seed{'s' if count > 1 else ''}", ha="center",
+                    va="bottom", fontsize=7, zorder=4, bbox={"facecolor": "white", "alpha": 0.8, "linewidth": 0, "pad": 1})
+        top = max([top, *(m + s for m, s in zip(means, stds))])
+    for j, task in enumerate(tasks):
+        if task in majority(series):
+            value = majority(series)[task]
+            ax.hlines(value, j - 0.45, j + 0.45, colors="black", linestyles="--", linewidth=1.2,
+                      label="majority class (test split)" if j == tasks.index(next(t for t in tasks if t in majority(series))) else None)
+            top = max(top, value)
+    reference = published_full(published or [])
+    first = True
+    for j, task in enumerate(tasks):
+        if task in reference:
+            low, high, count = reference[task]
+            # a grey stroke at the right edge of the task's group, from the lowest to the highest value
+            ax.vlines(j + 0.47, low - 0.2, high + 0.2, colors="0.45", linewidth=5,
+                      label="published full attention, paper protocols (range)" if first else None)
+            first = False
+            top = max(top, high)
+    ax.set_xticks(range(len(tasks)), [TITLES.get(t, t) for t in tasks])
+    ax.set_xlim(-0.6, len(tasks) - 0.35)
+    ax.set_ylim(0, min(100.0, top * 1.15 + 5))
     ax.set_ylabel("test accuracy (%)")
-    ax.set_title("LRA test accuracy by task")
-    ax.legend(fontsize="small", ncol=2)
+    seeds = "error bars: std over seeds, where 2 or more" if several else "one seed per bar, so no error bars"
+    ax.set_title(f"Test accuracy by task ({presets_text(series)}; {seeds})", fontsize=10)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(axis="y", alpha=0.3)
     return save(fig, path)
 
 
-def accuracy_vs_time(series: Dict[str, Dict[str, List[Dict[str, Any]]]], path: Path) -> Path:
-    """One point per (backend, task): mean training time (log x) against mean test accuracy."""
+# tick marks of the time axis, in seconds: round numbers of seconds, minutes and hours
+TIME_TICKS = [1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 18000, 36000, 86400, 172800, 432000]
+
+
+def duration_label(seconds: float, _pos: Any = None) -> str:
+    """A tick label in plain units: 30 s, 10 min, 2 h, 1 d."""
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:g} {unit}"
+    return f"{seconds:g} s"
+
+
+def accuracy_vs_time(series: Series, path: Path) -> Path:
+    """One labelled point per (backend, task): mean training time (log x) against mean test accuracy,
+    with each task's majority class as a dashed line. Axes span at least a factor of 10 in time and
+    10 points in accuracy, so close runs are not stretched over the whole plot."""
     markers = dict(zip(TASK_ORDER, "osD^vP"))
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    times: List[float] = []
+    accs: List[float] = []
     for i, (label, per_task) in enumerate(series.items()):
         color = f"C{i % 10}"
         for task, records in per_task.items():
             time = statistics.fmean(r["train_time_s"] for r in records)
             acc = statistics.fmean(100.0 * r["test_acc"] for r in records)
-            ax.scatter(time, acc, color=color, marker=markers.get(task, "x"))
+            ax.scatter(time, acc, color=color, marker=markers.get(task, "x"), s=40, zorder=3)
+            ax.annotate(label, (time, acc), textcoords="offset points", xytext=(5, 4), fontsize=7, color=color)
+            times.append(time)
+            accs.append(acc)
         ax.scatter([], [], color=color, marker="o", label=label)
-    for task, marker in markers.items():
-        if any(task in s for s in series.values()):
-            ax.scatter([], [], color="gray", marker=marker, label=task)
+    tasks = task_order(series)
+    for task in tasks:
+        if len(tasks) > 1:
+            ax.scatter([], [], color="gray", marker=markers.get(task, "x"), label=TITLES.get(task, task))
+    for n, (task, value) in enumerate(sorted(majority(series).items())):
+        accs.append(value)
+        name = f" ({TITLES.get(task, task)})" if len(tasks) > 1 else ""
+        ax.axhline(value, color="black", linestyle="--", linewidth=1, dashes=(4, 2 + 2 * n),
+                   label=f"majority class{name}")
     ax.set_xscale("log")
-    ax.set_xlabel("training time (s, log scale)")
+    low, high = min(times), max(times)
+    # at least a decade, centred on the runs
+    spread = max(high / low, 10.0)
+    centre = math.sqrt(low * high)
+    ax.set_xlim(centre / math.sqrt(spread) / 1.2, centre * math.sqrt(spread) * 1.2)
+    ax.xaxis.set_major_locator(FixedLocator(TIME_TICKS))
+    ax.xaxis.set_major_formatter(FuncFormatter(duration_label))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    low_acc, high_acc = min(accs), max(accs)
+    pad = max(0.0, 10.0 - (high_acc - low_acc)) / 2 + 2.0
+    ax.set_ylim(max(0.0, low_acc - pad), min(100.0, high_acc + pad))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _pos: f"{y:g}"))
+    ax.set_xlabel("training time (wall-clock of the training steps, log scale)")
     ax.set_ylabel("test accuracy (%)")
-    ax.set_title("Accuracy against training time")
-    ax.legend(fontsize="small", ncol=2)
+    ax.set_title(f"Test accuracy against training time ({presets_text(series)})", fontsize=10)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(alpha=0.3)
     return save(fig, path)
 
 
-def plot_all(records: List[Dict[str, Any]], out: Path, order: List[str]) -> List[Path]:
+def plot_all(records: List[Dict[str, Any]], out: Path, order: List[str],
+             published: Optional[List[Dict[str, str]]] = None) -> List[Path]:
     """Both plots under ``out``; none when no run completed."""
     series = by_series(records, order)
     if not series:
         return []
-    return [accuracy_bars(series, out / "accuracy_by_task.png"), accuracy_vs_time(series, out / "accuracy_vs_time.png")]
+    return [accuracy_bars(series, out / "accuracy_by_task.png", published),
+            accuracy_vs_time(series, out / "accuracy_vs_time.png")]

@@ -25,6 +25,8 @@ Schema (version 1). Keys are stable; later versions only add keys.
     torch, python, git_commit, hostname
     started_at, finished_at  ISO-8601 UTC
     message         why the run stopped, when it did not complete
+    load_average    the machine's 1, 5 and 15 minute load averages when training ended (the run's own
+                    threads included); optional: records written before it was added lack it
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ from pathlib import Path
 from typing import Any, Dict
 
 import torch
+
+from .files import plain_mode
 
 SCHEMA_VERSION = 1
 RECORD_KEYS = (
@@ -88,8 +92,7 @@ def write_json_atomic(path: Path, data: Dict[str, Any]) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=2, sort_keys=False)
             f.write("\n")
-        # mkstemp makes the file private; a record is meant to be shared
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, plain_mode())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -121,5 +124,9 @@ def validate_record(record: Dict[str, Any]) -> None:
         value = record[key]
         if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
             raise ValueError(f"record {key} is {value!r:.40}; expected a number or null")
+    load = record.get("load_average")
+    if load is not None and (not isinstance(load, list) or len(load) != 3
+                             or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in load)):
+        raise ValueError(f"record load_average is {load!r:.40}; expected three numbers (1, 5, 15 minutes) or null")
     if not isinstance(record["finished_at"], (str, type(None))):
         raise ValueError(f"record finished_at is {record['finished_at']!r}; expected a time stamp")

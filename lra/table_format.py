@@ -12,6 +12,8 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from attentions import list_attentions
 
+from .files import plain_mode
+
 MISSING = "—"
 
 
@@ -84,10 +86,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        # mkstemp makes the file private (0600); give it the permissions a plain open() would
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, plain_mode())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -1,11 +1,14 @@
 """lra-table: result records -> accuracy, efficiency, taxonomy and throughput tables, and plots.
 
-    lra-table [--runs results/runs] [--out results/tables] [--reference DIR] [--attn-module FILE.py ...]
+    lra-table [--runs results/runs ...] [--include-smoke] [--out results/tables] [--reference DIR] [--attn-module FILE.py ...]
 
-Reads ``<runs>/*/record.json`` (schema in ``lra/record.py``) and prints our numbers beside the
+Reads ``<runs>/*/record.json`` (schema in ``lra/record.py``; by default the committed reference
+records in results/runs, never a user's ./runs unless named) and prints our numbers beside the
 published ones (``reference/published_lra.csv`` and ``published_efficiency.csv``). Writes
 ``<out>/{accuracy,efficiency,taxonomy,throughput}.{md,csv,tex}`` and two PNG plots, each file
 atomically, and prints the Markdown tables. A diverged run shows as "diverged", never as a number.
+The accuracy and efficiency tables name every record they used and every one they left out
+(unreadable, unfinished, an older run of the same seed, a smoke run), each also one line on stderr.
 """
 from __future__ import annotations
 
@@ -96,33 +99,80 @@ def read_csv(path: Path) -> List[Dict[str, str]]:
         raise UserError(f"cannot read {path}: {err}")
 
 
-def load_records(runs: Path) -> Tuple[List[Dict[str, Any]], List[str]]:
-    """Finished records under ``runs`` (the latest per backend, preset, task and seed), and notes on what was left out."""
-    notes: List[str] = []
-    latest: Dict[Tuple[str, str, str, int], Dict[str, Any]] = {}
-    superseded = 0
-    for path in sorted(runs.glob("*/record.json")):
+@dataclass
+class Selection:
+    """Which records the tables use, and which they leave out and why (both printed with the tables)."""
+
+    used: List[Path] = field(default_factory=list)
+    # (path of the record or run folder, why it was left out)
+    left_out: List[Tuple[Path, str]] = field(default_factory=list)
+
+    def notes(self) -> List[str]:
+        """The lines the accuracy and efficiency tables carry: every run used, every record or run left out."""
+        used = ", ".join(shown(p) for p in self.used) or "none"
+        notes = [f"Runs used ({len(self.used)}): {used}."]
+        if self.left_out:
+            notes.append(f"Left out ({len(self.left_out)}): " + "; ".join(f"{shown(p)} ({why})" for p, why in self.left_out) + ".")
+        return notes
+
+
+def run_folders(runs: Path) -> List[Path]:
+    """Sub-folders of ``runs`` that hold a run: a record, or the config.json a run writes when it starts."""
+    if not runs.is_dir():
+        return []
+    return sorted(p for p in runs.iterdir() if p.is_dir() and ((p / "record.json").exists() or (p / "config.json").exists()))
+
+
+def read_record(path: Path) -> Dict[str, Any]:
+    """A record.json, validated; ValueError (or OSError) says what is wrong with it."""
+    record = json.loads(path.read_text())
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    validate_record(record)
+    return record
+
+
+def load_records(folders: List[Path], include_smoke: bool = False) -> Tuple[List[Dict[str, Any]], Selection]:
+    """Finished records under the ``folders`` (the latest per backend, preset, task and seed), and which
+    records were used and left out: unreadable ones, unfinished runs, older duplicates and, unless
+    ``include_smoke``, smoke runs (a handful of steps: they show the pipeline runs, not what a backend learns)."""
+    selection = Selection()
+    latest: Dict[Tuple[str, str, str, int], Tuple[Dict[str, Any], Path]] = {}
+    for folder in run_folders_of(folders):
+        path = folder / "record.json"
+        if not path.exists():
+            selection.left_out.append((folder, "unfinished: no record.json yet; the same lra-run command resumes it"))
+            continue
         try:
-            record = json.loads(path.read_text())
-            if not isinstance(record, dict):
-                raise ValueError("not a JSON object")
-            validate_record(record)
+            record = read_record(path)
         except (OSError, ValueError) as err:
-            notes.append(f"skipped {path}: {err}")
+            selection.left_out.append((path, f"unreadable: {err}"))
             continue
         if record["status"] not in ("completed", "diverged"):
-            notes.append(f"skipped {path}: status {record['status']!r} (the run has not finished)")
+            selection.left_out.append((path, f"status {record['status']!r}: the run has not finished"))
+            continue
+        if record["preset"] == "smoke" and not include_smoke:
+            selection.left_out.append((path, "smoke run; --include-smoke shows it"))
             continue
         key = (record["attn"], record["preset"], record["task"], record["seed"])
         if key in latest:
-            superseded += 1
-            if str(record["finished_at"] or "") < str(latest[key]["finished_at"] or ""):
+            kept, kept_path = latest[key]
+            if str(record["finished_at"] or "") < str(kept["finished_at"] or ""):
+                selection.left_out.append((path, f"older run of the same backend, preset, task and seed as {shown(kept_path)}"))
                 continue
-        latest[key] = record
-    if superseded:
-        notes.append(f"{superseded} older record(s) of a backend, preset, task and seed run again were left out "
-                     "(the latest is kept)")
-    return list(latest.values()), notes
+            selection.left_out.append((kept_path, f"older run of the same backend, preset, task and seed as {shown(path)}"))
+        latest[key] = (record, path)
+    selection.used = sorted(path.parent for _, path in latest.values())
+    return [record for record, _ in latest.values()], selection
+
+
+def run_folders_of(folders: List[Path]) -> List[Path]:
+    """The run folders of every folder given, each once (a folder named twice is read once)."""
+    seen: Dict[Path, Path] = {}
+    for runs in folders:
+        for folder in run_folders(runs):
+            seen.setdefault(folder.resolve(), folder)
+    return list(seen.values())
 
 
 def grouped(records: List[Dict[str, Any]]) -> Dict[Tuple[str, str, str], List[Dict[str, Any]]]:
@@ -222,6 +272,7 @@ def efficiency_row(task: str, preset: str, attn: str, rs: List[Dict[str, Any]], 
     # a ratio only between runs on the same hardware
     ratio = time.mean / full_time.mean if time.mean is not None and full_time.mean and devices(rs) == devices(full) else None
     kinds = ", ".join(sorted({MEMORY_KINDS.get(r["memory_kind"], r["memory_kind"]) for r in rs if r["status"] == "completed"}))
+    loads = load_text(rs)
     steps = round(statistics.fmean(r["steps"] for r in rs))
     row = [
         TITLES.get(task, task), attn, preset, str(len(rs)), str(steps),
@@ -229,17 +280,27 @@ def efficiency_row(task: str, preset: str, attn: str, rs: List[Dict[str, Any]], 
         f"{ratio:.2f}×" if ratio is not None else MISSING,
         fmt_count(speed.mean) if speed.mean is not None else speed.text(),
         f"{memory.mean:,.0f} MB ({kinds})" if memory.mean is not None else memory.text(),
-        devices(rs),
+        devices(rs), loads,
     ]
     csv_row = {"task": task, "model": attn, "preset": preset, "seeds": len(rs), "diverged": time.diverged, "steps": steps,
                "train_time_s": time.mean, "train_time_vs_full": ratio, "tokens_per_s": speed.mean,
-               "peak_memory_mb": memory.mean, "memory_kind": kinds, "device_name": devices(rs)}
+               "peak_memory_mb": memory.mean, "memory_kind": kinds, "device_name": devices(rs),
+               "load_average": None if loads == MISSING else loads}
     return row, csv_row
+
+
+def load_text(rs: List[Dict[str, Any]]) -> str:
+    """Each run's 1 / 5 / 15 minute load average when its training ended ("; " between seeds), or
+    missing when no record stores it (records written before the field was added)."""
+    loads = [r.get("load_average") for r in rs]
+    if not any(loads):
+        return MISSING
+    return "; ".join(MISSING if not load else " / ".join(f"{x:.2f}" for x in load) for load in loads)
 
 
 def efficiency_table(records: List[Dict[str, Any]]) -> Table:
     table = Table("Training time and memory", ["Task", "Model", "Preset", "Seeds", "Steps", "Train time", "vs full",
-                                               "Tokens/s", "Peak memory", "Device"])
+                                               "Tokens/s", "Peak memory", "Device", "Load (1/5/15 min)"])
     table.records = []
     groups = grouped(records)
     # (preset, attn) -> task -> mean train time, for the five-task totals
@@ -258,10 +319,12 @@ def efficiency_table(records: List[Dict[str, Any]]) -> Table:
     if complete:
         table.breaks.append(len(table.rows))
     for (preset, attn), seconds in complete:
-        table.rows.append(["LRA total (5 tasks)", attn, preset, *[MISSING] * 2, fmt_duration(seconds), *[MISSING] * 4])
+        table.rows.append(["LRA total (5 tasks)", attn, preset, *[MISSING] * 2, fmt_duration(seconds), *[MISSING] * 5])
     table.notes = ["Train time: wall-clock of the training steps (evaluation excluded), mean over completed seeds; "
                    "vs full: train time over full attention's on the same task, preset and device; "
-                   "peak memory: CUDA max allocated on a GPU, the process's peak RSS on the CPU."]
+                   "peak memory: CUDA max allocated on a GPU, the process's peak RSS on the CPU; "
+                   "load: the machine's load averages when training ended, the run's own threads included "
+                   "(train times compare only at similar loads; — = not recorded, a record older than the field)."]
     return table
 
 
@@ -286,10 +349,15 @@ def shown(path: Optional[Path]) -> str:
 
 def parser() -> Parser:
     p = Parser(prog="lra-table", description="Build comparison tables and plots from result records, beside the published numbers.")
-    p.add_argument("--runs", default="results/runs", help="folder of run folders holding record.json (default results/runs)")
+    p.add_argument("--runs", action="append", metavar="FOLDER",
+                   help="folder of run folders holding record.json (default results/runs, the committed reference "
+                   "records; lra-run writes to ./runs); may repeat to put several folders in one table")
+    p.add_argument("--include-smoke", action="store_true",
+                   help="keep smoke-preset runs in the tables and plots (left out by default: their few steps show "
+                   "that the pipeline runs, not what a backend learns)")
     p.add_argument("--out", default="results/tables", help="where to write the tables and plots (default results/tables)")
     p.add_argument("--reference", help="folder of published_lra.csv and published_efficiency.csv (default: the repo's reference/)")
-    p.add_argument("--throughput", help="folder of lra-bench sweep records (default: throughput/ beside --runs)")
+    p.add_argument("--throughput", help="folder of lra-bench sweep records (default: throughput/ beside the first --runs)")
     p.add_argument("--attn-module", action="append", default=[], metavar="FILE.py",
                    help="a Python file registering more backends (for the taxonomy table; may repeat)")
     p.add_argument("--no-plots", action="store_true", help="write the tables only")
@@ -300,16 +368,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
     for path in args.attn_module:
         load_attention_module(path)
-    runs, out = Path(args.runs), Path(args.out)
-    records, notes = load_records(runs)
+    folders, out = [Path(f) for f in args.runs or ["results/runs"]], Path(args.out)
+    records, selection = load_records(folders, args.include_smoke)
     reference, places = find_reference(args.reference)
     if reference is None:
         looked = ", ".join(map(str, places))
         print(f"lra-table: no published numbers found (looked in {looked}); tables without them", file=sys.stderr)
-    for note in notes:
-        print(f"lra-table: {note}", file=sys.stderr)
+    for path, why in selection.left_out:
+        print(f"lra-table: skipped {path}: {why}", file=sys.stderr)
     if not records:
-        print(f"no run records in {runs}" + ("" if runs.is_dir() else " (the folder does not exist)"))
+        absent = [str(f) for f in folders if not f.is_dir()]
+        print(f"no run records in {', '.join(map(str, folders))}"
+              + (f" ({', '.join(absent)}: no such folder)" if absent else "")
+              + (f" to tabulate ({len(selection.left_out)} left out, listed on stderr)" if selection.left_out else ""))
     acc_file, eff_file = ((reference / name) if reference is not None else None for name in REFERENCE_FILES)
     published_acc = read_csv(acc_file) if acc_file is not None else []
     published_eff = read_csv(eff_file) if eff_file is not None else []
@@ -318,10 +389,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if records:
         outputs["accuracy"] = [accuracy_table(records, published_acc, shown(acc_file) if published_acc else "none found")]
         outputs["efficiency"] = [efficiency_table(records)]
+        for stem in ("accuracy", "efficiency"):
+            outputs[stem][0].notes += selection.notes()
         if published_eff:
             outputs["efficiency"].append(published_efficiency_table(published_eff, shown(eff_file)))
     outputs["taxonomy"] = [taxonomy_table()]
-    throughput = throughput_tables(Path(args.throughput) if args.throughput else runs.parent / "throughput", published_eff)
+    throughput = throughput_tables(Path(args.throughput) if args.throughput else folders[0].parent / "throughput", published_eff)
     if throughput:
         outputs["throughput"] = throughput
 
@@ -334,7 +407,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not args.no_plots and records:
             from .plots import plot_all
 
-            written += plot_all(records, out, backend_order(r["attn"] for r in records))
+            written += plot_all(records, out, backend_order(r["attn"] for r in records), published_acc)
     except OSError as err:
         raise UserError(f"cannot write to {out}: {err.strerror or err}; choose another folder with --out")
     print(f"wrote {len(written)} files to {out}: {', '.join(sorted(p.name for p in written))}")

@@ -28,11 +28,13 @@ from attentions.check import output_problem
 from . import checkpoint as ckpt
 from . import distributed
 from .augment import augment, check_augment
+from .bench_env import load_average
 from .config import RunConfig, TrainConfig
 from .errors import UserError
 from .model import LRAModel
 from .record import SCHEMA_VERSION, environment, now, write_json_atomic
 from .tasks import Split, get_task
+from .tasks.base import quiet_bars
 
 
 class Interrupted(Exception):
@@ -218,9 +220,10 @@ def run_training(cfg: RunConfig, resume: bool, quiet: bool, held: contextlib.Exi
         raise UserError(f"attention {cfg.attn!r} cannot honour a padding mask, and task {cfg.task!r} is padded")
     check_augment(tc.augment, spec)
     # rank 0 generates or caches the data first; the others then read the cache
-    splits = task.load(cfg.data) if d.main else None
-    distributed.barrier(d)
-    splits = splits or task.load(cfg.data)
+    with quiet_bars(quiet):
+        splits = task.load(cfg.data) if d.main else None
+        distributed.barrier(d)
+        splits = splits or task.load(cfg.data)
     max_len = task.max_len(cfg.data)
     train_split, val_split, test_split = splits["train"], splits["val"], splits["test"]
 
@@ -323,6 +326,8 @@ def run_training(cfg: RunConfig, resume: bool, quiet: bool, held: contextlib.Exi
         for s, handler in old_handlers.items():
             signal.signal(s, handler)
 
+    # how busy the machine was while training: the train time of two runs compares only at similar loads
+    load = load_average()
     if state["losses"]:
         state["last_loss"] = sum(state["losses"]) / len(state["losses"])
     if status == "completed" and state["best_model"] is not None:
@@ -344,7 +349,7 @@ def run_training(cfg: RunConfig, resume: bool, quiet: bool, held: contextlib.Exi
         "tokens_per_s": state["tokens"] / state["train_time"] if state["train_time"] else None,
         "peak_memory_mb": round(max(mem, state["peak_mb"]), 1), "memory_kind": mem_kind, "params": params,
         **environment(device), "world_size": d.world_size, "precision": "bf16" if bf16 else "fp32",
-        "started_at": state["started_at"], "finished_at": now(), "message": message,
+        "started_at": state["started_at"], "finished_at": now(), "message": message, "load_average": load,
     }
     if d.main:
         if status == "completed":

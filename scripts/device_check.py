@@ -246,6 +246,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: unknown kernel(s) in {args.kernels!r}; valid: auto, torch, triton", file=sys.stderr)
         return 2
     results = []
+    # the header, then each row as its check ends: the table is printed once, as it grows
+    print("\n".join(table([]).splitlines()[:2]), flush=True)
     for row in rows_to_check(names, kernels):
         reason = skip_reason(row["kernel"], device)
         if reason is not None:
@@ -260,9 +262,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     flash = sdpa_flash_check(device, args.flash_length) if device.type == "cuda" else None
     record = {"hardware": hardware(device), "versions": versions(), "length": args.length,
               "tolerance": TOLERANCE, "min_agreeing_routing": MIN_AGREEING, "backends": results, "sdpa_flash": flash}
-    md = table(results) + ("" if flash is None else f"\n\nSDPA flash kernel ({flash['kernel']}), N={flash['length']}, "
-                           f"bf16 vs float64 math: max row err {flash['max_row_err']:.1e}, {flash['status']}")
-    print(md)
+    flash_line = "" if flash is None else (f"SDPA flash kernel ({flash['kernel']}), N={flash['length']}, "
+                                           f"bf16 vs float64 math: max row err {flash['max_row_err']:.1e}, {flash['status']}")
+    md = table(results) + (f"\n\n{flash_line}" if flash_line else "")
+    if flash_line:
+        print(f"\n{flash_line}")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -8,18 +8,21 @@
 #   SEEDS="0 1 2"      seeds per (backend, task)          (default "0")
 #   BACKENDS="full mita" backends                         (default: every registered backend)
 #   TASKS="listops text" tasks                            (default: all six)
-#   DATA_DIR=path      where the task data is             (default ./data, where ListOps is generated)
-#   OUT=path           run folders and records            (default results/runs)
-#   TABLES=path        tables and plots                   (default results/tables)
+#   DATA_DIR=path      where the task data is             (default ./data; ListOps is generated there)
+#   OUT=path           run folders and records            (default ./runs, git-ignored)
+#   TABLES=path        tables and plots, of OUT's records (default: tables/ beside OUT, so ./tables)
+# The committed reference records live in results/runs; to add to them (the maintainers' runs), set
+# OUT=results/runs (TABLES then defaults to results/tables).
 # A task whose data `lra-data check` reports missing is skipped with the reason (ListOps is generated
-# by lra-run on first use unless DATA_DIR is given). A run that already has a record is not repeated;
-# an unfinished one resumes. A failed or diverged run is reported and the others go on.
+# by lra-run on first use). A run that already has a record is not repeated; an unfinished one
+# resumes. A failed or diverged run is reported and the others go on.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 preset="${1:-paper}"
 shift || true
-out="${OUT:-results/runs}"
+out="${OUT:-runs}"
+tables="${TABLES:-$(dirname "$out")/tables}"
 seeds="${SEEDS:-0}"
 tasks="${TASKS:-listops text retrieval image pathfinder pathx}"
 backends="${BACKENDS:-$(python -c 'from attentions import list_attentions; print(" ".join(list_attentions()))')}"
@@ -28,7 +31,7 @@ if [[ -n "${DATA_DIR:-}" ]]; then
   data_args=(--data-dir "$DATA_DIR")
 fi
 
-status="$(lra-data check --data-dir "${DATA_DIR:-data}")" || exit 2
+status="$(lra-data check "${data_args[@]}")" || exit 2
 failed=()
 skipped=()
 for task in $tasks; do
@@ -37,7 +40,7 @@ for task in $tasks; do
     echo "reproduce_lra: unknown task $task; lra-data check lists: $(cut -d' ' -f1 <<<"$status" | tr '\n' ' ')" >&2
     exit 2
   fi
-  if [[ "$line" == *MISSING* && ! ( "$task" == listops && -z "${DATA_DIR:-}" ) ]]; then
+  if [[ "$line" == *MISSING* && "$task" != listops ]]; then
     echo "reproduce_lra: skipping $task, its data is missing: $(sed -E 's/^[a-z_]+ +MISSING +//' <<<"$line")" >&2
     skipped+=("$task")
     continue
@@ -56,7 +59,12 @@ for task in $tasks; do
   done
 done
 
-lra-table --runs "$out" --out "${TABLES:-results/tables}"
+# lra-table leaves smoke runs out of its tables unless asked; here they are what was asked for
+table_args=()
+if [[ "$preset" == smoke ]]; then
+  table_args=(--include-smoke)
+fi
+lra-table --runs "$out" --out "$tables" "${table_args[@]}"
 if (( ${#skipped[@]} )); then
   echo "reproduce_lra: tasks skipped for missing data: ${skipped[*]} (see lra-data check)" >&2
 fi

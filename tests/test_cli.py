@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -20,13 +22,26 @@ def run(args: list, cwd: Path, timeout: int = 300) -> subprocess.CompletedProces
 
 
 def test_smoke_run_writes_a_valid_record(tmp_path: Path) -> None:
-    proc = run(["--task", "listops", "--attn", "full", "--preset", "smoke", "--out", "runs", "--quiet",
+    """Also issue 17: by default the record lands in ./runs, where the last line says; a --data-dir of
+    one's own gets its ListOps set generated as ./data does; the generated files are world-readable
+    (umask permitting); --quiet leaves stderr empty."""
+    (tmp_path / "mydata").mkdir()
+    proc = run(["--task", "listops", "--attn", "full", "--preset", "smoke", "--data-dir", "mydata", "--quiet",
                 "--set", "train.steps=4", "train.eval_every=2"], tmp_path)
     assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
     records = list((tmp_path / "runs").glob("*/record.json"))
     assert len(records) == 1
+    assert proc.stdout.strip().endswith("record: runs/listops_full_smoke_seed0/record.json")
+    assert records[0] == tmp_path / "runs" / "listops_full_smoke_seed0" / "record.json"
+    generated = tmp_path / "mydata" / "listops_n256_seed0" / "basic_train.tsv"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(generated.stat().st_mode) == 0o666 & ~umask
+    assert stat.S_IMODE(records[0].stat().st_mode) == 0o666 & ~umask
     record = json.loads(records[0].read_text())
     validate_record(record)
+    assert len(record["load_average"]) == 3
     assert record["status"] == "completed" and record["steps"] == 4
     assert 0.0 <= record["test_acc"] <= 1.0 and 0.0 < record["majority_acc"] <= 1.0
     assert record["config"]["train"]["steps"] == 4 and record["task"] == "listops"
@@ -41,7 +56,8 @@ BAD = {
     "unknown-preset": (["--task", "listops", "--attn", "full", "--preset", "gpu9"], "unknown preset 'gpu9'"),
     "unknown-key": (["--task", "listops", "--attn", "full", "--set", "train.stepz=3"], "unknown key train.stepz"),
     "wrong-type": (["--task", "listops", "--attn", "full", "--set", "train.steps=many"], "train.steps must be int"),
-    "no-data": (["--task", "listops", "--attn", "full", "--data-dir", "empty"], "lra-data generate listops"),
+    "no-data": (["--task", "listops", "--attn", "full", "--data-dir", "empty", "--set", "data.generate=false"],
+                "lra-data generate listops --data-dir empty`, or drop --set data.generate=false"),
     "missing-dir": (["--task", "listops", "--attn", "full", "--data-dir", "nowhere"], "is not a folder"),
     "missing-arg": (["--task", "listops"], "the following arguments are required: --attn"),
     "augment-listops": (["--task", "listops", "--attn", "full", "--set", "train.augment=dihedral"],
@@ -112,3 +128,74 @@ def test_every_backend_trains_listops_smoke_through_lra_run(
     record = json.loads(next(out.glob("*/record.json")).read_text())
     assert record["attn"] == attn and record["status"] == "completed" and record["steps"] == 3
     assert record["final_train_loss"] is not None and math.isfinite(record["final_train_loss"])
+
+
+def test_lra_data_check_lists_every_generated_set_with_its_size(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Issue 17: ListOps was reported MISSING right after training on a listops_n<size>_seed<seed> set."""
+    for size, seed in ((40, 1), (40, 0)):
+        assert cli.data(["generate", "listops", "--size", str(size), "--seed", str(seed), "--data-dir", str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert cli.data(["check", "--data-dir", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("listops"))
+    assert lines[at].split() == ["listops", "present", str(tmp_path / "listops_n40_seed0"), "(train", "40", "/", "val",
+                                 "32", "/", "test", "32)"]
+    assert lines[at + 1].split()[:2] == ["present", str(tmp_path / "listops_n40_seed1")]
+    assert "no set of the official size (preset paper) yet" in lines[at + 2]
+    assert lines[at + 3].startswith("text ")
+
+
+def test_lra_data_check_says_when_the_data_folder_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    code = cli.guarded("lra-data", lambda: cli.data(["check", "--data-dir", str(tmp_path / "nowhere")]))
+    err = capsys.readouterr().err
+    assert code == 2 and err == f"lra-data: error: --data-dir {tmp_path / 'nowhere'} is not a folder; give the folder that holds the task files\n"
+    # the default ./data not made yet (a fresh clone): said once, then every task's line
+    monkeypatch.chdir(tmp_path)
+    assert cli.data(["check"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("the data folder ./data does not exist yet")
+    assert [line.split()[:2] for line in lines[1:3]] == [["listops", "MISSING"], ["text", "MISSING"]]
+
+
+def test_every_lra_data_option_has_help_text() -> None:
+    parser = cli.data_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    for name, sub in commands.items():
+        for action in sub._actions:
+            assert action.help, f"lra-data {name} {action.option_strings or action.dest} has no help text"
+
+
+MASK_IGNORING = """
+from dataclasses import dataclass
+import torch.nn.functional as F
+from attentions import Attention, Taxonomy, register
+
+@dataclass
+class NoConfig:
+    pass
+
+@register("maskless")
+class Maskless(Attention):
+    paper = "nobody 2026, a backend that ignores the mask"
+    cost = "O(N^2 D)"
+    Config = NoConfig
+    taxonomy = Taxonomy("none", "1", "raw KV", "none", "dense")
+
+    def forward(self, q, k, v, mask=None):
+        return F.scaled_dot_product_attention(q, k, v)
+"""
+
+
+def test_lra_run_warns_of_a_backend_that_fails_the_mask_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from attentions import load_attention_module, registry
+
+    list_attentions()
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_loaded_files", dict(registry._loaded_files))
+    (tmp_path / "maskless.py").write_text(MASK_IGNORING)
+    load_attention_module(str(tmp_path / "maskless.py"))
+    warning = cli.mask_warning("maskless")
+    assert warning.startswith("attention 'maskless' fails lra-check-attn's padding check (output at real positions changed")
+    assert "\n" not in warning
+    assert all(cli.mask_warning(name) == "" for name in list_attentions() if name != "maskless")

@@ -23,12 +23,17 @@ def load_script():
     return module
 
 
-def test_every_backend_passes_on_cpu(tmp_path: Path) -> None:
+def test_every_backend_passes_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     # the Triton rows are left to the next test: under the interpreter they take a minute at this length
     assert load_script().main(["--device", "cpu", "--length", "128", "--kernels", "torch", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "check.json").read_text())
     rows = [f"{name}[torch]" if "kernel" in config_fields(name) else name for name in list_attentions()]
     assert [b["backend"] for b in record["backends"]] == rows
+    # issue 17: the result rows were printed twice, the first time without the header; now once, under it
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("| backend |") and sum(line.startswith("| backend |") for line in printed) == 1
+    for name in rows:
+        assert sum(line.startswith(f"| {name} |") for line in printed) == 1, name
     assert {"mita[torch]", "moba[torch]"} <= set(rows)
     for backend in record["backends"]:
         assert backend["fp32"]["status"] == "PASS" and backend["bf16"]["status"] == "PASS", backend["backend"]

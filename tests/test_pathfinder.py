@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 from collections import deque
 from pathlib import Path
 from typing import List, Tuple
@@ -279,3 +280,33 @@ def test_bad_level_and_max_len_are_refused(tmp_path: Path) -> None:
         get_task("pathfinder").load(DataConfig(data_dir=str(tmp_path), level="hard"))
     with pytest.raises(UserError, match="data.max_len must be 0 or 16384"):
         get_task("pathx").load(DataConfig(data_dir=str(tmp_path), max_len=1024))
+
+
+def test_quiet_silences_the_reading_bar(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 17: `lra-run --quiet` left Pathfinder's "reading" progress bar on (on a terminal)."""
+    from lra.tasks import pathfinder as reader
+    from lra.tasks.base import quiet_bars
+
+    seen: List[object] = []
+
+    def tqdm(items: object, **kwargs: object) -> object:
+        seen.append(kwargs["disable"])
+        return items
+
+    monkeypatch.setattr(reader, "tqdm", tqdm)
+    write_fixture(tmp_path / "pathfinder32" / LEVEL, 32)
+    with quiet_bars(True):
+        get_task("pathfinder").load(DataConfig(data_dir=str(tmp_path)))
+    # not quiet (the token cache removed, so the images are read again): a bar on a terminal only
+    shutil.rmtree(tmp_path / ".cache")
+    get_task("pathfinder").load(DataConfig(data_dir=str(tmp_path)))
+    assert seen == [True, None]
+
+
+def test_check_lists_every_level_found(tmp_path: Path) -> None:
+    for level in ("curv_baseline", "curv_contour_length_9"):
+        write_fixture(tmp_path / "pathfinder32" / level, 32)
+    status = get_task("pathfinder").status(str(tmp_path))
+    assert status.present and status.source == str(tmp_path / "pathfinder32" / "curv_baseline")
+    assert [s.source for s in status.also] == [str(tmp_path / "pathfinder32" / "curv_contour_length_9")]
+    assert f"no {LEVEL} set (the default level) yet" in status.note

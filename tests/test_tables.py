@@ -27,10 +27,11 @@ def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def make_record(task: str, attn: str, seed: int, test_acc: float, status: str = "completed",
-                train_time_s: float = 100.0, finished_at: str = "2026-01-01T00:00:00+00:00") -> Dict[str, Any]:
+                train_time_s: float = 100.0, finished_at: str = "2026-01-01T00:00:00+00:00",
+                preset: str = "cpu") -> Dict[str, Any]:
     record: Dict[str, Any] = {key: None for key in RECORD_KEYS}
     record.update(
-        schema=1, status=status, run_name=f"{task}_{attn}_cpu_seed{seed}", task=task, attn=attn, preset="cpu", seed=seed,
+        schema=1, status=status, run_name=f"{task}_{attn}_{preset}_seed{seed}", task=task, attn=attn, preset=preset, seed=seed,
         config={}, attn_budget="N", steps=50, best_step=40, val_acc=test_acc, majority_acc=0.2,
         test_acc=test_acc if status == "completed" else None, train_time_s=train_time_s, eval_time_s=5.0,
         tokens_per_s=2000.0, peak_memory_mb=400.0, memory_kind="cpu_peak_rss", params=1000, device="cpu",
@@ -241,3 +242,78 @@ def test_each_unreadable_record_is_one_stderr_line(tmp_path: Path, capsys: pytes
         assert line.startswith(f"lra-table: skipped {tmp_path / 'runs' / name / 'record.json'}: "), line
     assert "record test_acc is 'high'; expected a number or null" in "\n".join(err)
     assert "| full | this suite" in (out / "accuracy.md").read_text()
+
+
+def notes_of(markdown: str) -> str:
+    """The note lines under the first table of a Markdown file."""
+    return markdown.split("\n\n")[2] if markdown.count("\n\n") >= 2 else ""
+
+
+def test_tables_name_the_runs_they_used_and_left_out(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Issue 17: a user's runs mixed silently with the committed ones; smoke and unfinished runs too."""
+    write_runs(tmp_path / "runs", [make_record("listops", "full", 0, 0.30)])
+    # the user's folder: a newer run of the same seed, a smoke run, a run without its record yet
+    write_runs(tmp_path / "mine", [make_record("listops", "full", 0, 0.45, finished_at="2026-02-01T00:00:00+00:00"),
+                                   make_record("listops", "mita", 0, 0.17, preset="smoke")])
+    unfinished = tmp_path / "mine" / "listops_topk_cpu_seed0"
+    unfinished.mkdir()
+    (unfinished / "config.json").write_text("{}")
+    # not a run folder (a user's tables beside the runs): not mentioned
+    (tmp_path / "mine" / "tables").mkdir()
+    out = tmp_path / "tables"
+    capsys.readouterr()
+    assert tables.main(["--runs", str(tmp_path / "runs"), "--runs", str(tmp_path / "mine"), "--out", str(out), "--no-plots"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    committed, newer = tmp_path / "runs" / "listops_full_cpu_seed0-0", tmp_path / "mine" / "listops_full_cpu_seed0-0"
+    assert err == [
+        f"lra-table: skipped {committed / 'record.json'}: older run of the same backend, preset, task and seed as "
+        f"{newer / 'record.json'}",
+        f"lra-table: skipped {tmp_path / 'mine' / 'listops_mita_smoke_seed0-1' / 'record.json'}: smoke run; --include-smoke shows it",
+        f"lra-table: skipped {unfinished}: unfinished: no record.json yet; the same lra-run command resumes it",
+    ]
+    for stem in ("accuracy", "efficiency"):
+        md = (out / f"{stem}.md").read_text()
+        assert f"Runs used (1): {newer}." in md
+        assert "Left out (3): " in md and "listops_mita_smoke_seed0-1" in md and str(unfinished) in md
+    md = (out / "accuracy.md").read_text()
+    assert dict(zip(row(md, "Model", "Source"), row(md, "full", "this suite")))["ListOps"] == "45.00"
+    assert "| mita | this suite" not in md and "preset smoke" not in md
+    # asked for, the smoke run is shown (in its own protocol block)
+    assert tables.main(["--runs", str(tmp_path / "mine"), "--out", str(out), "--no-plots", "--include-smoke"]) == 0
+    md = (out / "accuracy.md").read_text()
+    assert dict(zip(row(md, "Model", "Source"), row(md, "mita", "this suite", "preset smoke")))["ListOps"] == "17.00"
+    assert "Runs used (2)" in md
+
+
+def test_default_runs_folder_is_the_committed_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """lra-run writes to ./runs; lra-table reads results/runs unless told otherwise."""
+    from lra.cli import run_parser
+    from lra.config import RunConfig
+
+    assert run_parser().get_default("out") == "runs" and RunConfig().out == "runs"
+    monkeypatch.chdir(tmp_path)
+    write_runs(tmp_path / "runs", [make_record("listops", "mita", 0, 0.5)])
+    write_runs(tmp_path / "results" / "runs", [make_record("listops", "full", 0, 0.3)])
+    assert tables.main(["--out", "tables", "--no-plots"]) == 0
+    md = (tmp_path / "tables" / "accuracy.md").read_text()
+    assert "| full | this suite" in md and "| mita | this suite" not in md
+
+
+def test_efficiency_table_carries_each_runs_load_average(tmp_path: Path) -> None:
+    loaded = [make_record("listops", "full", seed, 0.3) for seed in (0, 1)]
+    loaded[0]["load_average"] = [2.0, 1.5, 1.25]
+    # the second record predates the field: still readable, shown as not recorded
+    write_runs(tmp_path / "runs", loaded)
+    md = (run_table(tmp_path, "--no-plots") / "efficiency.md").read_text()
+    full = dict(zip(row(md, "Task", "Model"), row(md, "ListOps", "full")))
+    assert full["Load (1/5/15 min)"] == "2.00 / 1.50 / 1.25; —"
+    bad = {**loaded[0], "load_average": [2.0, "high", 1.0]}
+    with pytest.raises(ValueError, match="load_average"):
+        validate_record(bad)
+
+
+def test_taxonomy_budgets_are_the_lra_settings_of_configs_attn() -> None:
+    """Issue 17: the taxonomy table gave the class defaults (Linformer k = 256, Top-k k = 64) where the
+    README's backend table gives configs/attn's (128 each)."""
+    budgets = {r[0]: r[7] for r in tables.taxonomy_table().rows}
+    assert budgets["linformer"] == "k = 128" and budgets["topk"] == "k = 128" and budgets["mita"] == "m + k = 128"

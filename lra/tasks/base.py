@@ -12,6 +12,7 @@ The padding mask is ``position < length``; it is never derived from token ids (p
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -20,11 +21,12 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ClassVar, Dict, List, Sequence, Type
+from typing import Callable, ClassVar, Dict, Iterator, List, Sequence, Type
 
 import numpy as np
 
 from ..errors import UserError
+from ..files import plain_mode
 from ..lock import FolderLock
 
 SPLITS = ("train", "val", "test")
@@ -80,6 +82,10 @@ class DataStatus:
     split_sizes: Dict[str, int] = field(default_factory=dict)
     # when missing: the exact files to obtain and where to put them
     missing: str = ""
+    # further sets of the task found in the folder (other sizes, seeds or levels), each present
+    also: List["DataStatus"] = field(default_factory=list)
+    # a line printed under the sets, e.g. that the set a preset needs is not there yet
+    note: str = ""
 
 
 class Task:
@@ -108,6 +114,24 @@ class DataConfigLike:  # the fields of lra.config.DataConfig that loaders read (
     seed: int
     workers: int
     generate: bool
+
+
+# progress bars of data generation and reading: shown on a terminal, off under `lra-run --quiet`
+_QUIET = [False]
+
+
+@contextlib.contextmanager
+def quiet_bars(quiet: bool) -> Iterator[None]:
+    """Within the block, ``bars_off()`` is True when ``quiet`` is."""
+    before, _QUIET[0] = _QUIET[0], quiet
+    try:
+        yield
+    finally:
+        _QUIET[0] = before
+
+
+def bars_off() -> bool:
+    return _QUIET[0]
 
 
 _TASKS: Dict[str, Type[Task]] = {}
@@ -222,6 +246,7 @@ def store_cache(folder: Path, splits: Dict[str, Split]) -> None:
             if leftover.is_dir():
                 shutil.rmtree(leftover, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{folder.name}."))
+        tmp.chmod(plain_mode(folder=True))
         for s, split in splits.items():
             for part in PARTS:
                 np.save(tmp / f"{s}.{part}.npy", getattr(split, part))

@@ -8,6 +8,7 @@ Missing files of the official size are generated on first use (a few minutes on 
 from __future__ import annotations
 
 import csv
+import re
 import sys
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -36,6 +37,8 @@ TOKEN_ID = {tok: i for i, tok in enumerate(VOCAB)}
 FILES = {"train": "basic_train.tsv", "val": "basic_val.tsv", "test": "basic_test.tsv"}
 # the value of an expression: 0-9
 NUM_CLASSES = 10
+# the folder of a generated set other than the official size and seed 0 (ListOps.folder_name)
+GENERATED_SET = re.compile(r"listops_n(\d+)_seed(\d+)")
 
 
 def tokenize(source: str) -> List[str]:
@@ -109,8 +112,9 @@ class ListOps(Task):
         if folder is None and not data.generate:
             raise UserError(
                 f"listops: no basic_train/val/test.tsv in {data.data_dir}/{self.folder_name(data)} or "
-                f"{data.data_dir}/lra_release/listops-1000; make them with `lra-data generate listops "
-                f"--data-dir {data.data_dir}" + (f" --size {data.size}" if data.size else "") + "`"
+                f"{data.data_dir}/lra_release/listops-1000 (data.generate is off); make them with `lra-data generate "
+                f"listops --data-dir {data.data_dir}" + (f" --size {data.size}" if data.size else "")
+                + (f" --seed {data.seed}" if data.seed else "") + "`, or drop --set data.generate=false"
             )
         if folder is None:
             try:
@@ -124,19 +128,38 @@ class ListOps(Task):
             data.data_dir, "listops", key, lambda: {s: read_split(folder / FILES[s], max_len) for s in SPLITS}
         )
 
+    def generated_sets(self, data_dir: str) -> List[Path]:
+        """Our generator's other sets (``listops_n<size>_seed<seed>/``) that hold all three files, by size and seed."""
+        found = []
+        for parent in (Path(data_dir), Path(data_dir) / "lra_release"):
+            for folder in parent.glob("listops_n*_seed*"):
+                match = GENERATED_SET.fullmatch(folder.name)
+                if match and all((folder / f).is_file() for f in FILES.values()):
+                    found.append((int(match.group(1)), int(match.group(2)), folder))
+        return [folder for *_, folder in sorted(found)]
+
     def status(self, data_dir: str) -> DataStatus:
+        """The official-size set, then every generated set of another size or seed."""
         from ..config import DataConfig
 
-        folder = self.find(DataConfig(data_dir=data_dir))
-        if folder is None:
+        official = self.find(DataConfig(data_dir=data_dir))
+        found = ([official] if official is not None else []) + self.generated_sets(data_dir)
+        if not found:
             return DataStatus(
                 task="listops",
                 present=False,
                 missing=f"basic_train.tsv, basic_val.tsv, basic_test.tsv in {data_dir}/listops/ "
-                f"(or lra_release/listops-1000/); make them with `lra-data generate listops --data-dir {data_dir}`",
+                f"(or lra_release/listops-1000/); lra-run generates them on first use, or "
+                f"`lra-data generate listops --data-dir {data_dir}`",
             )
-        sizes = {s: _count_rows(folder / FILES[s]) for s in SPLITS}
-        return DataStatus(task="listops", present=True, source=str(folder), split_sizes=sizes)
+        sets = [DataStatus(task="listops", present=True, source=str(folder),
+                           split_sizes={s: _count_rows(folder / FILES[s]) for s in SPLITS}) for folder in found]
+        first = sets[0]
+        first.also = sets[1:]
+        if official is None:
+            first.note = ("no set of the official size (preset paper) yet: lra-run generates it on first use "
+                          "(a few minutes), or `lra-data generate listops`")
+        return first
 
 
 def _count_rows(path: Path) -> int:

@@ -23,7 +23,9 @@ from typing import Dict, List, Tuple
 
 from tqdm import tqdm
 
+from ..files import plain_mode
 from ..lock import FolderLock, remove_temporaries
+from .base import bars_off
 
 MIN, MAX, MED, SUM_MOD, END = "[MIN", "[MAX", "[MED", "[SM", "]"
 OPERATORS = (MIN, MAX, MED, SUM_MOD)
@@ -105,7 +107,7 @@ def generate(
     """``num_samples`` distinct (source, label) pairs, in a fixed order for a given seed."""
     data: Dict[str, int] = {}
     index = 0
-    bar = tqdm(total=num_samples, desc="ListOps", unit="ex", disable=num_samples < 5000)
+    bar = tqdm(total=num_samples, desc="ListOps", unit="ex", disable=num_samples < 5000 or bars_off())
     with Pool(workers) if workers > 1 else _Serial() as pool:
         while len(data) < num_samples:
             batch = max(workers * 4, 1)
@@ -149,6 +151,7 @@ def write_split(rows: List[Tuple[str, int]], path: Path) -> None:
             writer = csv.writer(f, delimiter="\t")
             writer.writerow(["Source", "Target"])
             writer.writerows(rows)
+        os.chmod(tmp, plain_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -28,6 +28,7 @@ from .base import (
     Split,
     Task,
     TaskSpec,
+    bars_off,
     cache_key,
     cached_splits,
     register_task,
@@ -114,8 +115,9 @@ def read_folder(
     pool = Pool(workers) if workers > 1 and len(jobs) > 2000 else None
     try:
         images = pool.imap(read_image, jobs, chunksize=500) if pool else map(read_image, jobs)
-        # disable=None: a bar on a terminal only (a log or a pipe gets no progress lines)
-        images = tqdm(images, total=len(jobs), desc=f"reading {folder.name}", unit="img", leave=False, disable=None)
+        # disable=None: a bar on a terminal only (a log or a pipe gets no progress lines); none under --quiet
+        images = tqdm(images, total=len(jobs), desc=f"reading {folder.name}", unit="img", leave=False,
+                      disable=True if bars_off() else None)
         for i, pixels in enumerate(images):
             if pixels is not None:
                 tokens[i], keep[i] = pixels, True
@@ -235,11 +237,22 @@ class Pathfinder(Task):
             raise UserError(f"{self.spec.name}: cannot write generated images under {folder}: {err.strerror}")
 
     def status(self, data_dir: str) -> DataStatus:
-        """The default level's data, else the first other level found (the source path names it)."""
-        found = ((level, self.find(data_dir, level)) for level in (DEFAULT_LEVEL, *LEVELS))
-        level, folder = next(((lv, f) for lv, f in found if f is not None), (DEFAULT_LEVEL, None))
-        if folder is None:
+        """The default level's data, else the first other level found (the source path names it); the
+        other levels found follow in ``also``."""
+        found = [(lv, f) for lv, f in ((lv, self.find(data_dir, lv)) for lv in dict.fromkeys((DEFAULT_LEVEL, *LEVELS)))
+                 if f is not None]
+        if not found:
             return DataStatus(task=self.spec.name, present=False, missing=self.missing_message(data_dir, DEFAULT_LEVEL))
+        first = self.level_status(data_dir, *found[0])
+        if first.present:
+            first.also = [st for st in (self.level_status(data_dir, *lf) for lf in found[1:]) if st.present]
+            if found[0][0] != DEFAULT_LEVEL:
+                first.note = (f"no {DEFAULT_LEVEL} set (the default level) yet: train on a level found here "
+                              f"with --set data.level=LEVEL (e.g. {found[0][0]})")
+        return first
+
+    def level_status(self, data_dir: str, level: str, folder: Path) -> DataStatus:
+        """One level's folder: its split sizes, or why it cannot be used yet."""
         # counted from the metadata; the few empty images the loader skips are not subtracted
         n = len(read_metadata(folder))
         declared = pathfinder_write.declared_size(folder)

@@ -20,6 +20,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from ..errors import UserError
+from ..files import plain_mode
 from ..lock import FolderLock
 from .pathfinder_gen import Params, render_sample
 
@@ -85,6 +86,7 @@ def check_manifest(folder: Path, manifest: Dict[str, object]) -> None:
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{MANIFEST}.")
     with os.fdopen(fd, "w") as f:
         f.write(json.dumps(manifest, indent=1))
+    os.chmod(tmp, plain_mode())
     os.replace(tmp, path)
 
 
@@ -103,6 +105,7 @@ def write_metadata(folder: Path, batch: int, lines: List[str]) -> None:
     fd, tmp = tempfile.mkstemp(dir=meta, prefix=f".{batch}-")
     with os.fdopen(fd, "w") as f:
         f.write("".join(line + "\n" for line in lines))
+    os.chmod(tmp, plain_mode())
     os.replace(tmp, meta / f"{batch}.npy")
 
 

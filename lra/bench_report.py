@@ -236,7 +236,7 @@ def plot(record: Dict[str, Any], path: Path) -> None:
         if ax.get_lines():
             ax.legend(fontsize=8)
     ax_t.set_title(f"train throughput, {record['level']} level, {describe(record['hardware'])}", fontsize=9)
-    ax_m.set_title("peak memory (hollow marker / dashed = estimated: no memory shown)", fontsize=9)
+    ax_m.set_title("peak memory (estimated points have none: their lines are dashed)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

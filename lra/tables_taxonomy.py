@@ -51,9 +51,11 @@ def taxonomy_table() -> Table:
             budget = build_attention(name, **BUDGET_DIMS, **lra_options(name)).budget()
         except Exception as err:
             budget = f"(not built: {type(err).__name__}: {err})"
-        tax = cls.taxonomy
-        table.rows.append([name, cls.paper, tax.scaling, tax.expert_count, tax.expert_type, tax.construction,
-                           tax.routing, budget, cls.cost, "yes" if cls.supports_mask else "no", origin(cls.__module__)])
+        tax = getattr(cls, "taxonomy", None)
+        places = ([tax.scaling, tax.expert_count, tax.expert_type, tax.construction, tax.routing] if tax is not None
+                  else ["(no taxonomy declared)"] + [""] * 4)
+        table.rows.append([name, cls.paper, *places, budget, cls.cost, "yes" if cls.supports_mask else "no",
+                           origin(cls.__module__)])
     table.notes = [f"Generated from the code of every registered backend; budget = keys one query attends to "
                    f"({dims}) at the settings lra-run uses: configs/attn/<name>.yaml where the backend has one, "
                    "else its class defaults (these differ for linformer, k = 256, and topk, k = 64). "

@@ -137,3 +137,16 @@ def test_example_trains_through_lra_run(tmp_path: Path) -> None:
     assert record["attn_budget"] == "N" and 0.0 <= record["test_acc"] <= 1.0
     # the tiny ListOps set was generated inside the working folder
     assert list((tmp_path / "data").glob("listops*/basic_train.tsv"))
+
+
+def test_a_backend_without_taxonomy_fails_alone_in_its_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # two backends in one file; the second declares no taxonomy: it fails its own check, the first still passes
+    body = f"        return {SDPA}\n"
+    second = (HEADER.format(name="untaxed", supports_mask=True).replace("class Broken", "class Untaxed")
+              .replace('    taxonomy = Taxonomy("none", "1", "raw KV", "none", "dense")\n', "") + body)
+    path = tmp_path / "two.py"
+    path.write_text(HEADER.format(name="taxed", supports_mask=True) + body + second)
+    assert main([str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "taxonomy: FAIL" in out and out.count(": FAIL") == 1
+    assert "taxed (" in out and "untaxed (" in out

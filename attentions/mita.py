@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
+from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs, in_batch_chunks
 from .grouped import gather_rows, merge
 from .grouped_triton import check_kernel, pick_grouped
 from .masking import pool_real
@@ -178,6 +178,9 @@ class MiTAAttention(Attention):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
         check_inputs(q, k, v, mask)
+        split = in_batch_chunks(self.forward, q, k, v, mask)
+        if split is not None:
+            return split
         cfg = self.cfg
         b, h, n, d = q.shape
         m, per_query = cfg.landmarks, cfg.experts_per_query

@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
+from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs, in_batch_chunks
 from .grouped import merge
 from .grouped_triton import check_kernel, pick_grouped
 from .registry import register
@@ -144,6 +144,9 @@ class MoBAAttention(Attention):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
         check_inputs(q, k, v, mask)
+        split = in_batch_chunks(self.forward, q, k, v, mask)
+        if split is not None:
+            return split
         cfg = self.cfg
         b, h, n, d = q.shape
         size = cfg.block_size

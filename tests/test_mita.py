@@ -196,3 +196,27 @@ def test_budget_counts_landmarks_and_keys() -> None:
     assert attn.budget() == "m + k = 128"
     routed_only = build_attention("mita", num_heads=2, head_dim=16, max_len=64, shared_expert=False, topk=32)
     assert routed_only.budget() == "k = 32"
+
+
+def test_a_batch_split_for_the_cpu_cache_gives_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    from attentions import base
+
+    torch.manual_seed(2)
+    b, h, n, d = 5, 2, 40, 8
+    mask = lengths_mask([40, 33, 12, 40, 7], n)
+    inputs = [torch.randn(b, h, n, d, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    weight = torch.randn(b, h, n, d, dtype=torch.float64) * mask[:, None, :, None]
+    for name in ("mita", "moba"):
+        attn = build_attention(name, num_heads=h, head_dim=d, max_len=n, **({"landmarks": 8, "topk": 8} if name == "mita" else {"block_size": 8}))
+        whole, whole_grads = run_and_grads(attn, inputs, mask, weight)
+        # two sequences per pass: three passes of 2, 2 and 1 sequences
+        monkeypatch.setattr(base, "CPU_BATCH_TOKENS", 2 * h * n)
+        passes = []
+        base.in_batch_chunks(lambda q, k, v, m: passes.append(q.shape[0]) or q, *inputs, mask)
+        assert passes == [2, 2, 1]
+        split, split_grads = run_and_grads(attn, inputs, mask, weight)
+        monkeypatch.undo()
+        assert base.in_batch_chunks(lambda q, k, v, m: q, *inputs, mask) is None
+        assert rel_err(split, whole) < 1e-12
+        for g, r in zip(split_grads, whole_grads):
+            assert rel_err(g, r) < 1e-12

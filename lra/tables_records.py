@@ -1,0 +1,99 @@
+"""Which run records the tables use: the finished ones under the run folders given, the latest per
+backend, preset, task and seed, and every record or run left out with the reason (unreadable,
+unfinished, an older duplicate, a smoke run), which the accuracy and efficiency tables print."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from .record import validate_record
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Selection:
+    """Which records the tables use, and which they leave out and why (both printed with the tables)."""
+
+    used: List[Path] = field(default_factory=list)
+    # (path of the record or run folder, why it was left out)
+    left_out: List[Tuple[Path, str]] = field(default_factory=list)
+
+    def notes(self) -> List[str]:
+        """The lines the accuracy and efficiency tables carry: every run used, every record or run left out."""
+        used = ", ".join(shown(p) for p in self.used) or "none"
+        notes = [f"Runs used ({len(self.used)}): {used}."]
+        if self.left_out:
+            notes.append(f"Left out ({len(self.left_out)}): " + "; ".join(f"{shown(p)} ({why})" for p, why in self.left_out) + ".")
+        return notes
+
+
+def run_folders(runs: Path) -> List[Path]:
+    """Sub-folders of ``runs`` that hold a run: a record, or the config.json a run writes when it starts."""
+    if not runs.is_dir():
+        return []
+    return sorted(p for p in runs.iterdir() if p.is_dir() and ((p / "record.json").exists() or (p / "config.json").exists()))
+
+
+def read_record(path: Path) -> Dict[str, Any]:
+    """A record.json, validated; ValueError (or OSError) says what is wrong with it."""
+    record = json.loads(path.read_text())
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    validate_record(record)
+    return record
+
+
+def load_records(folders: List[Path], include_smoke: bool = False) -> Tuple[List[Dict[str, Any]], Selection]:
+    """Finished records under the ``folders`` (the latest per backend, preset, task and seed), and which
+    records were used and left out: unreadable ones, unfinished runs, older duplicates and, unless
+    ``include_smoke``, smoke runs (a handful of steps: they show the pipeline runs, not what a backend learns)."""
+    selection = Selection()
+    latest: Dict[Tuple[str, str, str, int], Tuple[Dict[str, Any], Path]] = {}
+    for folder in run_folders_of(folders):
+        path = folder / "record.json"
+        if not path.exists():
+            selection.left_out.append((folder, "unfinished: no record.json yet; the same lra-run command resumes it"))
+            continue
+        try:
+            record = read_record(path)
+        except (OSError, ValueError) as err:
+            selection.left_out.append((path, f"unreadable: {err}"))
+            continue
+        if record["status"] not in ("completed", "diverged"):
+            selection.left_out.append((path, f"status {record['status']!r}: the run has not finished"))
+            continue
+        if record["preset"] == "smoke" and not include_smoke:
+            selection.left_out.append((path, "smoke run; --include-smoke shows it"))
+            continue
+        key = (record["attn"], record["preset"], record["task"], record["seed"])
+        if key in latest:
+            kept, kept_path = latest[key]
+            if str(record["finished_at"] or "") < str(kept["finished_at"] or ""):
+                selection.left_out.append((path, f"older run of the same backend, preset, task and seed as {shown(kept_path)}"))
+                continue
+            selection.left_out.append((kept_path, f"older run of the same backend, preset, task and seed as {shown(path)}"))
+        latest[key] = (record, path)
+    selection.used = sorted(path.parent for _, path in latest.values())
+    return [record for record, _ in latest.values()], selection
+
+
+def run_folders_of(folders: List[Path]) -> List[Path]:
+    """The run folders of every folder given, each once (a folder named twice is read once)."""
+    seen: Dict[Path, Path] = {}
+    for runs in folders:
+        for folder in run_folders(runs):
+            seen.setdefault(folder.resolve(), folder)
+    return list(seen.values())
+
+
+def shown(path: Optional[Path]) -> str:
+    """A path as the tables print it: relative to the repo when inside it, so committed tables stay portable."""
+    if path is None:
+        return ""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)

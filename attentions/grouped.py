@@ -75,13 +75,10 @@ class Tiling:
 def pick_tile(counts: torch.Tensor) -> int:
     """The tile size of TILES with the least padded slots plus per-tile overhead for these
     per-expert pair counts [E]."""
-    best, best_cost = TILES[0], None
-    for tile in TILES:
-        tiles = int(((counts + tile - 1) // tile).sum())
-        cost = tiles * (tile + TILE_OVERHEAD_SLOTS)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = tile, cost
-    return best
+    # tiles needed at each size, read back in one transfer
+    tiles = torch.stack([((counts + tile - 1) // tile).sum() for tile in TILES]).tolist()
+    costs = [n * (tile + TILE_OVERHEAD_SLOTS) for n, tile in zip(tiles, TILES)]
+    return TILES[costs.index(min(costs))]
 
 
 def tile_by_expert(expert: torch.Tensor, num_experts: int, tile: Optional[int] = None) -> Tiling:

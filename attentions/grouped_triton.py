@@ -57,7 +57,7 @@ def interpreting() -> bool:
 def pick_grouped(kernel: str, device: torch.device) -> Callable:
     """The grouped attention function of a backend's ``kernel`` setting (checked by check_kernel) for
     tensors on ``device``. "auto" is Triton on CUDA when Triton is installed: on an NVIDIA H200 the
-    kernels passed scripts/device_check.py and ran MiTA's attention 1.4x-10x faster than the PyTorch
+    kernels passed scripts/device_check.py and ran MiTA's attention 1.4x-5.4x faster than the PyTorch
     path from 16K to 256K tokens (results/throughput/attention-nvidia-h200-*); PyTorch elsewhere."""
     if kernel == "triton" or (kernel == "auto" and device.type == "cuda" and triton_installed()):
         return grouped_attention_triton

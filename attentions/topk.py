@@ -3,8 +3,9 @@
 Each query keeps its own k highest-scoring real keys and takes a softmax over those k only. Scores
 are built for a chunk of queries at a time, so memory is O(chunk N) instead of O(N^2); training
 keeps only each query's k chosen indices and weights, O(N k), and the backward rebuilds the sparse
-rows from them (no second top-k). Time stays O(N^2 D): every query still scores every key. One query attends to k keys: 64 at the
-Config default, 128 in configs/attn/topk.yaml (all real keys, i.e. full attention, when N <= k).
+rows from them (no second top-k). Time stays O(N^2 D): every query still scores every key. One
+query attends to k keys: 64 at the Config default, 128 in configs/attn/topk.yaml (all real keys,
+i.e. full attention, when N <= k).
 """
 from __future__ import annotations
 

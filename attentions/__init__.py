@@ -12,6 +12,7 @@ from .registry import (
     get_attention,
     list_attentions,
     load_attention_module,
+    origin,
     register,
 )
 
@@ -28,5 +29,6 @@ __all__ = [
     "get_attention",
     "list_attentions",
     "load_attention_module",
+    "origin",
     "register",
 ]

@@ -117,6 +117,21 @@ def get_attention(name: str) -> Type[Attention]:
     return _REGISTRY[name]
 
 
+def origin(name: str) -> str:
+    """Where backend ``name`` comes from: "built-in", the user's file (relative to the working folder
+    when inside it), or the module of an installed entry point."""
+    module = get_attention(name).__module__
+    if module.startswith("attentions."):
+        return "built-in"
+    path = getattr(sys.modules.get(module), "__file__", None)
+    if path is None:
+        return f"{module} (entry point)"
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def config_fields(name: str) -> Dict[str, Any]:
     """The backend's hyperparameters and their types, e.g. {"topk": int}."""
     cls = get_attention(name)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import IO, Any, Dict, Optional, Tuple
@@ -25,9 +24,8 @@ import torch
 
 from .config import RunConfig
 from .errors import UserError
-from .files import plain_mode
+from .files import write_atomic, write_json_atomic
 from .lock import FolderLock, remove_temporaries
-from .record import write_json_atomic
 
 RUN_FILES = ("config.json", "checkpoint.pt", "metrics.jsonl", "record.json", "best_model.pt")
 CHECKPOINT_KEYS = ("model", "optimizer", "state", "rng_cpu", "rng_cuda")
@@ -122,16 +120,7 @@ def claim_run_dir(cfg: RunConfig, resume: bool) -> Tuple[Path, FolderLock]:
 
 
 def save_checkpoint(path: Path, state: Dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    try:
-        torch.save(state, tmp)
-        os.chmod(tmp, plain_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, lambda f: torch.save(state, f))
 
 
 def load_checkpoint(path: Path) -> Optional[Dict[str, Any]]:

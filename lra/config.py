@@ -6,9 +6,12 @@ Precedence, lowest first:
     < configs/attn/<attn>.yaml                   (the backend's options; its tasks.<task> section)
     < configs/presets/<preset>.yaml              (sections that apply to every task)
     < configs/tasks/<task>.yaml presets.<preset> (the preset's values for this task)
+    < --config FILE.yaml, in the order given     (a user's own layer: model / train / data / attn)
     < --set section.key=value                    (e.g. train.lr=3e-4 attn.topk=64)
 
-Unknown keys and values of the wrong type are errors that name the key.
+configs/ is package data (lra/configs), read wherever the package is installed. A task or built-in
+backend without its YAML file is an error (a broken install), never silently defaults; a backend
+from a user's file may have none. Unknown keys and values of the wrong type are errors that name the key.
 """
 from __future__ import annotations
 
@@ -21,11 +24,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import yaml
 
-from attentions import AttentionError, build_config, list_attentions
+from attentions import AttentionError, build_config, get_attention, list_attentions
 
 from .errors import UserError
+from .files import package_data
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = package_data("configs")
 
 
 @dataclass
@@ -197,16 +201,43 @@ def attn_options_for(values: Dict[str, Any], task: str, origin: Path) -> Dict[st
     return {**values, **section}
 
 
-def resolve(task: str, attn: str, preset: str = "paper", sets: Optional[List[str]] = None, seed: int = 0) -> RunConfig:
+def backend_values(attn: str) -> Dict[str, Any]:
+    """The values of configs/attn/<attn>.yaml: required for a built-in backend (one shipped in the
+    ``attentions`` package), optional for one registered from a user's file (its Config defaults)."""
+    path = CONFIG_DIR / "attn" / f"{attn}.yaml"
+    if path.is_file():
+        return read_yaml(path)
+    try:
+        builtin = get_attention(attn).__module__.startswith("attentions.")
+    except AttentionError as err:
+        raise UserError(str(err)) from err
+    if builtin:
+        raise UserError(f"built-in attention {attn!r} has no configuration file {path}; the installation is "
+                        "incomplete (reinstall the package)")
+    return {}
+
+
+def read_user_yaml(path: str) -> Dict[str, Any]:
+    """A user's --config file: it must exist and hold sections (model, train, data, attn)."""
+    if not Path(path).is_file():
+        raise UserError(f"--config {path}: no such file; give a YAML file of sections (model, train, data, attn)")
+    return read_yaml(Path(path))
+
+
+def resolve(
+    task: str, attn: str, preset: str = "paper", sets: Optional[List[str]] = None, seed: int = 0,
+    configs: Optional[List[str]] = None,
+) -> RunConfig:
     """Build the run's configuration from the layers above. Every error is a UserError."""
     cfg = RunConfig(task=task, attn=attn, preset=preset, seed=seed)
     task_file = CONFIG_DIR / "tasks" / f"{task}.yaml"
-    task_values = read_yaml(task_file) if task_file.exists() else {}
+    if not task_file.is_file():
+        raise UserError(f"task {task!r} has no configuration file {task_file}; the installation is incomplete "
+                        "(reinstall the package)")
+    task_values = read_yaml(task_file)
     _apply_file(cfg, task_values, str(task_file), skip=("presets",))
 
-    attn_file = CONFIG_DIR / "attn" / f"{attn}.yaml"
-    attn_values = read_yaml(attn_file) if attn_file.exists() else {}
-    cfg.attn_options.update(attn_options_for(attn_values, task, attn_file))
+    cfg.attn_options.update(attn_options_for(backend_values(attn), task, CONFIG_DIR / "attn" / f"{attn}.yaml"))
 
     preset_file = CONFIG_DIR / "presets" / f"{preset}.yaml"
     if not preset_file.exists():
@@ -224,6 +255,8 @@ def resolve(task: str, attn: str, preset: str = "paper", sets: Optional[List[str
     _apply_file(cfg, preset_values, str(preset_file))
     _apply_file(cfg, task_presets.get(preset, {}) or {}, f"{task_file} presets.{preset}")
 
+    for path in configs or []:
+        _apply_file(cfg, read_user_yaml(path), path)
     for item in sets or []:
         section, key, value = parse_set(item)
         if section == "attn":

@@ -30,19 +30,10 @@ Schema (version 1). Keys are stable; later versions only add keys.
 """
 from __future__ import annotations
 
-import json
-import os
-import platform
-import socket
-import subprocess
-import tempfile
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, Dict
 
-import torch
 
-from .files import plain_mode
 
 SCHEMA_VERSION = 1
 RECORD_KEYS = (
@@ -57,47 +48,7 @@ def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def git_commit() -> str:
-    """The commit of the checkout the package runs from, with ``+dirty`` for local changes."""
-    here = Path(__file__).resolve().parent
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=5
-        ).stdout.strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
-
-def environment(device: torch.device) -> Dict[str, Any]:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
-    return {
-        "device": str(device),
-        "device_name": f"{name} ({os.cpu_count()} CPUs visible)" if device.type == "cpu" else name,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "git_commit": git_commit(),
-        "hostname": socket.gethostname(),
-    }
-
-
-def write_json_atomic(path: Path, data: Dict[str, Any]) -> None:
-    """Write to a temporary file in the same folder, then rename: a kill never truncates ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=False)
-            f.write("\n")
-        os.chmod(tmp, plain_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 STATUSES = ("completed", "diverged", "running")

@@ -28,11 +28,12 @@ from attentions.check import output_problem
 from . import checkpoint as ckpt
 from . import distributed
 from .augment import augment, check_augment
-from .bench_env import load_average
+from .machine import environment, load_average
 from .config import RunConfig, TrainConfig
 from .errors import UserError
 from .model import LRAModel
-from .record import SCHEMA_VERSION, environment, now, write_json_atomic
+from .files import write_json_atomic
+from .record import SCHEMA_VERSION, now
 from .tasks import Split, get_task
 from .tasks.base import quiet_bars
 

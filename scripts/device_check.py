@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from attentions import build_attention, get_attention, list_attentions  # noqa: E402
 from attentions.registry import config_fields  # noqa: E402
 from attentions.check import Sizes, padding_mask, real_lengths  # noqa: E402
-from lra.bench_env import hardware, versions  # noqa: E402
+from lra.machine import hardware, versions  # noqa: E402
 
 ROUTING = {"topk", "moba", "mita"}
 TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
@@ -187,7 +187,7 @@ def check_backend(name: str, device: torch.device, n: int, seed: int, kernel: Op
 
 def sdpa_flash_check(device: torch.device, n: int) -> Dict[str, object]:
     """The benchmarks' FlashAttention stand-in (SDPA restricted to its flash kernel) in bf16 vs float64 math."""
-    from lra.bench_workloads import FlashFull
+    from lra.bench.workloads import FlashFull
     from attentions.full import reference
 
     gen = torch.Generator().manual_seed(0)

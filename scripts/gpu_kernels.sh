@@ -20,7 +20,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a limit, log to $RESULTS/NAME
     timeout "$limit" "$@" > "$RESULTS/$name.log" 2>&1
     echo "== $name: exit $? after ${SECONDS}s"; tail -n 25 "$RESULTS/$name.log"
 }
-bench=(python3 -c "import sys; from lra.bench import main; sys.exit(main(sys.argv[1:]))")
+bench=(python3 -c "import sys; from lra.bench.cli import main; sys.exit(main(sys.argv[1:]))")
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 step check "$LIMIT_S" python3 scripts/device_check.py --device "$DEVICE" --out "$RESULTS/device-check"

@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 
 hardware=$(python - <<'PY'
 import re, torch
-from lra.bench_env import cpu_model
+from lra.machine import cpu_model
 import os
 if torch.cuda.is_available():
     name = torch.cuda.get_device_name(0)

@@ -17,7 +17,8 @@ import torch
 import lra.config
 import lra.train
 from attentions import list_attentions, registry
-from lra import bench, cli
+from lra.bench import cli as bench
+from lra.cli import data as lra_data, guarded, run as lra_run
 
 TINY_SETS = ["model.dim=16", "model.ffn_dim=32", "model.num_layers=1", "data.max_len=128", "train.steps=12",
              "train.eval_every=6", "train.checkpoint_every=4", "train.log_every=2"]
@@ -62,13 +63,13 @@ def killed_run(folder: Path, shared: Path, monkeypatch: pytest.MonkeyPatch, *set
         patch.chdir(folder)
         patch.setattr(lra.train, "lr_at", dies_at_6)
         with pytest.raises(Killed):
-            cli.run([a.replace("{data}", str(shared / "data")) for a in run_args(*sets)])
+            lra_run.main([a.replace("{data}", str(shared / "data")) for a in run_args(*sets)])
     return folder / RUN_FOLDER
 
 
 def finished_run(folder: Path, shared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(folder)
-    assert cli.run([a.replace("{data}", str(shared / "data")) for a in run_args()]) == 0
+    assert lra_run.main([a.replace("{data}", str(shared / "data")) for a in run_args()]) == 0
 
 
 def with_checkpoint(change: Callable[[Path], None]) -> Prepare:
@@ -278,7 +279,7 @@ CASES: Dict[str, Case] = {
     "bench-record-garbage": Case(["report", "sweep/record.json"], "cannot read a lra-bench record",
                                  bench_record("\x00\x01garbage"), prog="lra-bench"),
 }
-MAINS = {"lra-run": cli.run, "lra-data": cli.data, "lra-bench": bench.main}
+MAINS = {"lra-run": lra_run.main, "lra-data": lra_data.main, "lra-bench": bench.main}
 
 
 def snapshot(*roots: Path) -> Dict[str, str]:
@@ -325,7 +326,7 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(name: str, shared: Pat
     before = snapshot(tmp_path, shared / "data")
     capsys.readouterr()
     try:
-        code = cli.guarded(case.prog, lambda: MAINS[case.prog](argv))
+        code = guarded(case.prog, lambda: MAINS[case.prog](argv))
     except SystemExit as exit:
         # argparse's errors: Parser.error exits with status 2 after its one line
         code = exit.code

@@ -9,12 +9,12 @@ from typing import Any, Dict, Iterator, List
 import pytest
 import torch
 
-from lra.bench import main, parse_length
-from lra.bench_estimate import scale_stats
-from lra.bench_flops import attention_flops
-from lra.bench_point import run_point
-from lra.bench_report import loglog_slope, slopes
-from lra.bench_sweep import Settings, sweep
+from lra.bench.cli import main, parse_length
+from lra.bench.estimate import scale_stats
+from lra.bench.flops import attention_flops
+from lra.bench.point import run_point
+from lra.bench.report import loglog_slope, slopes
+from lra.bench.sweep import Settings, sweep
 from lra.cli import guarded
 from lra.errors import UserError
 
@@ -199,7 +199,7 @@ def test_flop_counts_grow_with_the_cost_exponent(backend: str, exponent: int) ->
 
 
 def test_batch_search_stops_at_an_estimate_and_at_no_gain(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from lra import bench_sweep
+    from lra.bench import sweep as bench_sweep
 
     def fake_child(spec: Dict[str, Any], _workdir: Path) -> Dict[str, Any]:
         # throughput: estimated points are linear in the batch; ok points gain up to batch 4
@@ -231,7 +231,7 @@ def test_lra_preset_sets_the_lra_shapes_and_flags_still_win(tmp_path: Path) -> N
 
 
 def test_padded_model_workload_masks_rows_of_different_lengths() -> None:
-    from lra.bench_workloads import build_model, model_modes
+    from lra.bench.workloads import build_model, model_modes
 
     spec = {"backend": "full", "heads": 2, "layers": 1, "width": 16, "ffn_dim": 16, "dropout": 0.0,
             "attn_options": {}, "length": 64, "batch": 4, "seed": 0, "padded": True}

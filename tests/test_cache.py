@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import fail_if_called
-from lra import cli
+from lra.cli import run as lra_run
 from lra.config import DataConfig
 from lra.tasks import get_task, listops
 from lra.tasks.base import SPLITS, cache_problem
@@ -111,12 +111,12 @@ def test_a_run_on_a_changed_cache_trains_on_the_sources(tmp_path: Path, monkeypa
     monkeypatch.chdir(tmp_path)
     args = ["--task", "listops", "--attn", "full", "--preset", "smoke", "--quiet", "--set", "model.dim=16",
             "model.ffn_dim=32", "model.num_layers=1", "data.max_len=64", "train.steps=4", "train.eval_every=2"]
-    assert cli.run([*args, "--out", "clean"]) == 0
+    assert lra_run.main([*args, "--out", "clean"]) == 0
     folder = cache_folder(tmp_path / "data")
     labels = np.load(folder / "test.labels.npy")
     np.save(folder / "test.labels.npy", (labels + 3) % 10)
     capsys.readouterr()
-    assert cli.run([*args, "--out", "changed"]) == 0
+    assert lra_run.main([*args, "--out", "changed"]) == 0
     assert "rebuilding it from the sources" in capsys.readouterr().err
     clean, changed = (json.loads(next((tmp_path / out).glob("*/record.json")).read_text()) for out in ("clean", "changed"))
     for key in ("test_acc", "val_acc", "majority_acc", "final_train_loss"):

@@ -11,7 +11,7 @@ from typing import Dict
 import pytest
 
 from attentions import list_attentions, registry
-from lra.check_attn import main
+from lra.cli.check_attn import main
 from lra.cli import guarded
 from lra.record import validate_record
 
@@ -125,7 +125,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 def test_example_trains_through_lra_run(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-c", "from lra.cli import run_main; run_main()", "--attn-module", str(EXAMPLE),
+    cmd = [sys.executable, "-c", "from lra.cli.run import entry; entry()", "--attn-module", str(EXAMPLE),
            "--attn", "myattn", "--task", "listops", "--preset", "smoke", "--set", "train.steps=2", "train.eval_every=1",
            "--out", "runs", "--quiet"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from attentions import list_attentions
-from lra import cli
+from lra.cli import data as lra_data, guarded, run as lra_run
 from lra.record import validate_record
 
 
 def run(args: list, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-c", "from lra.cli import run_main; run_main()", *args]
+    cmd = [sys.executable, "-c", "from lra.cli.run import entry; entry()", *args]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
@@ -77,7 +77,7 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path: Path, args: list
 
 
 def test_lra_data_generate_writes_official_files(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-c", "from lra.cli import data_main; data_main()",
+    cmd = [sys.executable, "-c", "from lra.cli.data import entry; entry()",
            "generate", "listops", "--size", "40", "--data-dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -103,8 +103,8 @@ def test_lra_data_generate_rerun_removes_what_a_killed_write_left(tmp_path: Path
 
     with monkeypatch.context() as patch:
         patch.setattr(listops_gen, "write_split", interrupted)
-        assert cli.guarded("lra-data", lambda: cli.data(["generate", "listops", "--size", "40", "--data-dir", str(tmp_path)])) == 130
-    assert cli.data(["generate", "listops", "--size", "40", "--data-dir", str(tmp_path)]) == 0
+        assert guarded("lra-data", lambda: lra_data.main(["generate", "listops", "--size", "40", "--data-dir", str(tmp_path)])) == 130
+    assert lra_data.main(["generate", "listops", "--size", "40", "--data-dir", str(tmp_path)]) == 0
     names = sorted(p.name for p in folder.iterdir())
     assert names == [".lock", "basic_test.tsv", "basic_train.tsv", "basic_val.tsv"]
     assert len((folder / "basic_train.tsv").read_text().splitlines()) == 41
@@ -122,7 +122,7 @@ def test_every_backend_trains_listops_smoke_through_lra_run(
 ) -> None:
     monkeypatch.chdir(smoke_dir)
     out = smoke_dir / f"runs-{attn}"
-    code = cli.run(["--task", "listops", "--attn", attn, "--preset", "smoke", "--out", str(out), "--quiet",
+    code = lra_run.main(["--task", "listops", "--attn", attn, "--preset", "smoke", "--out", str(out), "--quiet",
                     "--set", "train.steps=3", "train.eval_every=3", "train.test_batches=1"])
     assert code == 0
     record = json.loads(next(out.glob("*/record.json")).read_text())
@@ -133,9 +133,9 @@ def test_every_backend_trains_listops_smoke_through_lra_run(
 def test_lra_data_check_lists_every_generated_set_with_its_size(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Issue 17: ListOps was reported MISSING right after training on a listops_n<size>_seed<seed> set."""
     for size, seed in ((40, 1), (40, 0)):
-        assert cli.data(["generate", "listops", "--size", str(size), "--seed", str(seed), "--data-dir", str(tmp_path)]) == 0
+        assert lra_data.main(["generate", "listops", "--size", str(size), "--seed", str(seed), "--data-dir", str(tmp_path)]) == 0
     capsys.readouterr()
-    assert cli.data(["check", "--data-dir", str(tmp_path)]) == 0
+    assert lra_data.main(["check", "--data-dir", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("listops"))
     assert lines[at].split() == ["listops", "present", str(tmp_path / "listops_n40_seed0"), "(train", "40", "/", "val",
@@ -147,19 +147,19 @@ def test_lra_data_check_lists_every_generated_set_with_its_size(tmp_path: Path, 
 
 def test_lra_data_check_says_when_the_data_folder_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    code = cli.guarded("lra-data", lambda: cli.data(["check", "--data-dir", str(tmp_path / "nowhere")]))
+    code = guarded("lra-data", lambda: lra_data.main(["check", "--data-dir", str(tmp_path / "nowhere")]))
     err = capsys.readouterr().err
     assert code == 2 and err == f"lra-data: error: --data-dir {tmp_path / 'nowhere'} is not a folder; give the folder that holds the task files\n"
     # the default ./data not made yet (a fresh clone): said once, then every task's line
     monkeypatch.chdir(tmp_path)
-    assert cli.data(["check"]) == 0
+    assert lra_data.main(["check"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("the data folder ./data does not exist yet")
     assert [line.split()[:2] for line in lines[1:3]] == [["listops", "MISSING"], ["text", "MISSING"]]
 
 
 def test_every_lra_data_option_has_help_text() -> None:
-    parser = cli.data_parser()
+    parser = lra_data.parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices
     for name, sub in commands.items():
         for action in sub._actions:
@@ -195,7 +195,7 @@ def test_lra_run_warns_of_a_backend_that_fails_the_mask_check(tmp_path: Path, mo
     monkeypatch.setattr(registry, "_loaded_files", dict(registry._loaded_files))
     (tmp_path / "maskless.py").write_text(MASK_IGNORING)
     load_attention_module(str(tmp_path / "maskless.py"))
-    warning = cli.mask_warning("maskless")
+    warning = lra_run.mask_warning("maskless")
     assert warning.startswith("attention 'maskless' fails lra-check-attn's padding check (output at real positions changed")
     assert "\n" not in warning
-    assert all(cli.mask_warning(name) == "" for name in list_attentions() if name != "maskless")
+    assert all(lra_run.mask_warning(name) == "" for name in list_attentions() if name != "maskless")

@@ -18,6 +18,7 @@ def configs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         "presets:\n  fast: {train: {steps: 33}}\n"
     )
     (tmp_path / "attn" / "topk.yaml").write_text("topk: 16\ntasks:\n  listops: {topk: 24}\n  text: {topk: 99}\n")
+    (tmp_path / "attn" / "full.yaml").write_text("{}\n")
     (tmp_path / "presets" / "fast.yaml").write_text("train: {steps: 22, lr: 0.25}\n")
     (tmp_path / "presets" / "paper.yaml").write_text("")
     monkeypatch.setattr(config, "CONFIG_DIR", tmp_path)
@@ -36,6 +37,27 @@ def test_precedence_of_every_layer(configs: Path) -> None:
     assert cfg.train.lr == 0.25 and cfg.train.steps == 33
     # --set over everything
     assert cfg.train.batch_size == 5
+
+
+def test_a_users_config_file_sits_between_the_preset_and_set(configs: Path, tmp_path: Path) -> None:
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("train: {steps: 44, batch_size: 9}\nattn: {topk: 12}\n")
+    cfg = config.resolve("listops", "topk", "fast", ["train.batch_size=5"], configs=[str(mine)])
+    # over the task's preset section (steps 33) and the backend file (topk 24); under --set (batch 5)
+    assert (cfg.train.steps, cfg.attn_options["topk"], cfg.train.batch_size) == (44, 12, 5)
+    with pytest.raises(UserError, match=r"--config .*nothere.yaml: no such file"):
+        config.resolve("listops", "topk", "fast", configs=[str(tmp_path / "nothere.yaml")])
+    mine.write_text("trian: {steps: 1}\n")
+    with pytest.raises(UserError, match=r"mine.yaml: unknown section 'trian'"):
+        config.resolve("listops", "topk", "fast", configs=[str(mine)])
+
+
+def test_a_missing_yaml_of_a_task_or_built_in_backend_is_an_error(configs: Path) -> None:
+    # an installation without its package data must not train with dataclass defaults
+    with pytest.raises(UserError, match=r"built-in attention 'mita' has no configuration file .*mita.yaml"):
+        config.resolve("listops", "mita", "paper")
+    with pytest.raises(UserError, match=r"task 'text' has no configuration file .*text.yaml"):
+        config.resolve("text", "full", "paper")
 
 
 def test_set_reaches_backend_options_with_types(configs: Path) -> None:
@@ -110,6 +132,7 @@ def test_exponent_without_a_dot_is_a_number(configs: Path) -> None:
 def test_a_per_task_preset_refuses_a_task_without_values(configs: Path) -> None:
     (configs / "presets" / "cpu.yaml").write_text("tasks_required: true\ntrain: {steps: 2}\n")
     (configs / "tasks" / "listops.yaml").write_text("presets:\n  cpu: {train: {steps: 9}}\n")
+    (configs / "tasks" / "text.yaml").write_text("{}\n")
     assert config.resolve("listops", "full", "cpu").train.steps == 9
     with pytest.raises(UserError, match=r"preset 'cpu' has no values for task 'text'.*exists for: listops"):
         config.resolve("text", "full", "cpu")

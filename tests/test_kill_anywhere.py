@@ -22,7 +22,7 @@ import torch
 
 import lra.checkpoint
 import lra.train
-from lra import cli
+from lra.cli import run as lra_run
 
 # timings and process measurements (the machine's load too): the only record fields a kill may change
 TIMINGS = ("train_time_s", "eval_time_s", "tokens_per_s", "peak_memory_mb", "started_at", "finished_at", "load_average")
@@ -33,7 +33,7 @@ TINY = [
     "--set", "model.dim=16", "model.ffn_dim=32", "model.num_layers=1", "model.dropout=0.1", "data.max_len=128",
     "train.steps=20", "train.eval_every=7", "train.checkpoint_every=4", "train.log_every=3", "train.threads=1",
 ]
-RUN = [sys.executable, "-c", "from lra.cli import run_main; run_main()"]
+RUN = [sys.executable, "-c", "from lra.cli.run import entry; entry()"]
 
 
 class Killed(BaseException):
@@ -104,7 +104,7 @@ def run_in(folder: Path, monkeypatch: pytest.MonkeyPatch, killer: Killer, extra:
     with monkeypatch.context() as patch:
         killer.install(patch)
         try:
-            assert cli.run([*TINY, *extra]) == 0
+            assert lra_run.main([*TINY, *extra]) == 0
         except Killed:
             return True
     return False

@@ -19,7 +19,7 @@ TINY = [
     "data.max_len=128", "train.steps=30", "train.eval_every=10", "train.checkpoint_every=5",
     "train.log_every=1", "train.threads=1",
 ]
-RUN = [sys.executable, "-c", "from lra.cli import run_main; run_main()"]
+RUN = [sys.executable, "-c", "from lra.cli.run import entry; entry()"]
 METRICS = ("steps", "best_step", "val_acc", "test_acc", "majority_acc", "final_train_loss", "status")
 
 

@@ -10,7 +10,7 @@ from typing import Any, Dict, List
 import pytest
 
 from attentions import list_attentions, registry
-from lra import tables
+from lra.tables import cli as tables
 from lra.cli import guarded
 from lra.record import RECORD_KEYS, validate_record
 
@@ -197,7 +197,7 @@ def test_reference_search_and_missing_reference(tmp_path: Path, monkeypatch: pyt
     code = guarded("lra-table", lambda: tables.main(["--runs", str(tmp_path), "--reference", str(tmp_path / "nowhere")]))
     assert code == 2 and "no published_lra.csv there" in capsys.readouterr().err
     # no reference anywhere: one line says so, and the tables have our rows only
-    monkeypatch.setattr(tables, "REPO", tmp_path / "clone")
+    monkeypatch.setattr(tables, "package_data", lambda name: tmp_path / "clone" / name)
     write_runs(tmp_path / "runs", RECORDS[:2])
     out = run_table(tmp_path, "--no-plots")
     err = capsys.readouterr().err
@@ -287,7 +287,7 @@ def test_tables_name_the_runs_they_used_and_left_out(tmp_path: Path, capsys: pyt
 
 def test_default_runs_folder_is_the_committed_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """lra-run writes to ./runs; lra-table reads results/runs unless told otherwise."""
-    from lra.cli import run_parser
+    from lra.cli.run import parser as run_parser
     from lra.config import RunConfig
 
     assert run_parser().get_default("out") == "runs" and RunConfig().out == "runs"

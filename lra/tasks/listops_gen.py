@@ -14,16 +14,15 @@ seed, not on the number of workers).
 from __future__ import annotations
 
 import csv
-import os
+import io
 import random
-import tempfile
 from multiprocessing import Pool
 from pathlib import Path
 from typing import Dict, List, Tuple
 
 from tqdm import tqdm
 
-from ..files import plain_mode
+from ..files import write_atomic
 from ..lock import FolderLock, remove_temporaries
 from .base import bars_off
 
@@ -145,17 +144,11 @@ def split_sizes(size: int) -> Tuple[int, int, int]:
 
 def write_split(rows: List[Tuple[str, int]], path: Path) -> None:
     """Write one official TSV file (header ``Source<TAB>Target``) atomically."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            writer = csv.writer(f, delimiter="\t")
-            writer.writerow(["Source", "Target"])
-            writer.writerows(rows)
-        os.chmod(tmp, plain_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    text = io.StringIO(newline="")
+    writer = csv.writer(text, delimiter="\t")
+    writer.writerow(["Source", "Target"])
+    writer.writerows(rows)
+    write_atomic(path, text.getvalue().encode())
 
 
 def generate_files(folder: Path, size: int = 0, seed: int = 0, workers: int = 1) -> Path:

@@ -7,9 +7,7 @@ folder is never mixed with another set.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from dataclasses import asdict
 from multiprocessing import Pool
 from pathlib import Path
@@ -20,7 +18,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from ..errors import UserError
-from ..files import plain_mode
+from ..files import write_atomic
 from ..lock import FolderLock
 from .pathfinder_gen import Params, render_sample
 
@@ -83,11 +81,7 @@ def check_manifest(folder: Path, manifest: Dict[str, object]) -> None:
             f"{folder} already holds Pathfinder data not made by this generator; leave it, or delete it to regenerate"
         )
     folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{MANIFEST}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(manifest, indent=1))
-    os.chmod(tmp, plain_mode())
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(manifest, indent=1).encode())
 
 
 def declared_size(folder: Path) -> Optional[int]:
@@ -102,11 +96,7 @@ def declared_size(folder: Path) -> Optional[int]:
 def write_metadata(folder: Path, batch: int, lines: List[str]) -> None:
     """metadata/<batch>.npy as plain text lines (the format LRA's readers parse), written atomically."""
     meta = folder / "metadata"
-    fd, tmp = tempfile.mkstemp(dir=meta, prefix=f".{batch}-")
-    with os.fdopen(fd, "w") as f:
-        f.write("".join(line + "\n" for line in lines))
-    os.chmod(tmp, plain_mode())
-    os.replace(tmp, meta / f"{batch}.npy")
+    write_atomic(meta / f"{batch}.npy", "".join(line + "\n" for line in lines).encode())
 
 
 def jobs(folder: Path, p: Params, seed: int, sizes: List[int], workers: int) -> Iterator[Job]:

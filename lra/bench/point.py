@@ -1,11 +1,11 @@
-"""One benchmark point, measured in a process of its own (forked by lra.bench_sweep).
+"""One benchmark point, measured in a process of its own (forked by lra.bench.sweep).
 
-The spec (written by lra.bench_sweep) names the level (attention, model or gemm), the backend, the
+The spec (written by lra.bench.sweep) names the level (attention, model or gemm), the backend, the
 length, batch and sizes, the time budget and the memory cap; the result (status, timings, memory)
 is written as JSON to the spec's ``result_path``. Running out of memory is caught here (the cap is
 an RLIMIT_AS on the CPU) and recorded as ``oom``; a budget too small for one timed run of each
 mode is recorded as ``timeout``; the parent kills a child that overruns and records that too.
-By hand: ``python -m lra.bench_point SPEC.json`` (the spec names result_path and log_path).
+By hand: ``python -m lra.bench.point SPEC.json`` (the spec names result_path and log_path).
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from .bench_estimate import PassThrough, add_stats, scale_stats, slice_fn
-from .bench_measure import (
+from .estimate import PassThrough, add_stats, scale_stats, slice_fn
+from .measure import (
     OverBudget,
     cap_address_space,
     is_oom,
@@ -28,7 +28,7 @@ from .bench_measure import (
     memory_reset,
     timed,
 )
-from .bench_workloads import (
+from .workloads import (
     Modes,
     attention_modes,
     attention_module,

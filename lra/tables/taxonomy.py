@@ -7,36 +7,20 @@ settings as the README's backend table), its class defaults otherwise.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 from typing import Any, Dict
 
-from attentions import build_attention, get_attention, list_attentions
+from attentions import build_attention, get_attention, list_attentions, origin
 
-from .config import CONFIG_DIR, attn_options_for, read_yaml
-from .table_format import Table
+from ..config import CONFIG_DIR, attn_options_for, backend_values
+from .format import Table
 
 BUDGET_DIMS = {"num_heads": 1, "head_dim": 16, "max_len": 4096}
 
 
-def origin(module: str) -> str:
-    """"built-in", the user's file (relative to the working folder when inside it), or the entry point's module."""
-    if module.startswith("attentions."):
-        return "built-in"
-    path = getattr(sys.modules.get(module), "__file__", None)
-    if path is None:
-        return f"{module} (entry point)"
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
-
-
 def lra_options(name: str) -> Dict[str, Any]:
     """The backend's values in configs/attn/<name>.yaml (before any task's section); {} without a file."""
-    path = CONFIG_DIR / "attn" / f"{name}.yaml"
-    return attn_options_for(read_yaml(path), "", path) if path.is_file() else {}
+    return attn_options_for(backend_values(name), "", CONFIG_DIR / "attn" / f"{name}.yaml")
 
 
 def taxonomy_table() -> Table:
@@ -55,7 +39,7 @@ def taxonomy_table() -> Table:
         places = ([tax.scaling, tax.expert_count, tax.expert_type, tax.construction, tax.routing] if tax is not None
                   else ["(no taxonomy declared)"] + [""] * 4)
         table.rows.append([name, cls.paper, *places, budget, cls.cost, "yes" if cls.supports_mask else "no",
-                           origin(cls.__module__)])
+                           origin(name)])
     table.notes = [f"Generated from the code of every registered backend; budget = keys one query attends to "
                    f"({dims}) at the settings lra-run uses: configs/attn/<name>.yaml where the backend has one, "
                    "else its class defaults (these differ for linformer, k = 256, and topk, k = 64). "

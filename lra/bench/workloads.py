@@ -18,8 +18,8 @@ from torch import nn
 from attentions import build_attention
 from attentions.registry import config_fields
 
-from .config import ModelConfig
-from .model import LRAModel
+from ..config import ModelConfig
+from ..model import LRAModel
 
 Modes = Dict[str, Callable[[], None]]
 VOCAB = 256

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import csv
 import io
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
 from attentions import list_attentions
 
-from .files import plain_mode
+from ..files import write_atomic
 
 MISSING = "—"
 
@@ -78,20 +76,6 @@ def csv_text(table: Table) -> str:
         dict_writer.writerows(table.records)
     return buffer.getvalue()
 
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary file in the same folder, then rename: a kill never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, plain_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def write_tables(out: Path, stem: str, tables: List[Table]) -> List[Path]:

@@ -1,4 +1,4 @@
-"""Timing and memory inside one benchmark point's process (the child that lra.bench_point runs).
+"""Timing and memory inside one benchmark point's process (the child that lra.bench.point runs).
 
 Timing: CUDA events on a GPU, the wall clock (perf_counter) on the CPU; warm-up runs of every
 mode first, then as many timed repeats as the point's time budget allows (at least one of each

@@ -1,14 +1,42 @@
-"""What a throughput record says about the machine it was measured on: hardware, versions, load."""
+"""What machine a number was measured on: hardware, versions, load, the code's git commit (read by
+the run records and the throughput records)."""
 from __future__ import annotations
 
 import os
 import platform
 import socket
+import subprocess
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
 
-from .record import git_commit
+
+def git_commit() -> str:
+    """The commit of the checkout the package runs from, with ``+dirty`` for local changes."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment(device: torch.device) -> Dict[str, Any]:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    return {
+        "device": str(device),
+        "device_name": f"{name} ({os.cpu_count()} CPUs visible)" if device.type == "cpu" else name,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "git_commit": git_commit(),
+        "hostname": socket.gethostname(),
+    }
 
 
 def cpu_model() -> str:

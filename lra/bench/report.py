@@ -11,8 +11,8 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from .bench_env import describe
-from .bench_flops import efficiency
+from ..machine import describe
+from .flops import efficiency
 
 TIMED = ("ok", "estimated")
 # a table cell's text from a point with a time and the index {(backend, length): point}
@@ -160,7 +160,7 @@ def efficiency_lines(record: Dict[str, Any]) -> List[str]:
     if eff["gemm_flops_per_s"] is None:
         return []
     lines = [f"**Fraction of the matmul rate** ({gemm['size']}x{gemm['size']} {gemm['dtype']} GEMM: "
-             f"{eff['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s; FLOPs counted analytically, lra/bench_flops.py)", "",
+             f"{eff['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s; FLOPs counted analytically, lra/bench/flops.py)", "",
              "| backend | N | forward GFLOP/s | forward fraction | train GFLOP/s | train fraction |",
              "|---|---:|---:|---:|---:|---:|"]
     for row in eff["points"]:

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from .table_format import MISSING, Table, backend_order, fmt_count
+from .format import MISSING, Table, backend_order, fmt_count
 
 def throughput_table(path: Path, data: Dict[str, Any]) -> Optional[Table]:
     """Train tokens/s by backend and length from one lra-bench sweep record; None if it holds no points."""

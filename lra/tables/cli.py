@@ -4,7 +4,7 @@
 
 Reads ``<runs>/*/record.json`` (schema in ``lra/record.py``; by default the committed reference
 records in results/runs, never a user's ./runs unless named) and prints our numbers beside the
-published ones (``reference/published_lra.csv`` and ``published_efficiency.csv``). Writes
+published ones (``lra/reference/published_lra.csv`` and ``published_efficiency.csv``, package data). Writes
 ``<out>/{accuracy,efficiency,taxonomy,throughput}.{md,csv,tex}`` and two PNG plots, each file
 atomically, and prints the Markdown tables. A diverged run shows as "diverged", never as a number.
 The accuracy and efficiency tables name every record they used and every one they left out
@@ -22,12 +22,13 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from attentions import load_attention_module
 
-from .cli import Parser
-from .errors import UserError
-from .table_format import MISSING, Table, backend_order, fmt_count, fmt_duration, fmt_number, markdown, write_tables
-from .tables_records import REPO, load_records, shown
-from .tables_taxonomy import taxonomy_table
-from .tables_throughput import throughput_tables
+from ..cli import Parser, console
+from ..errors import UserError
+from .format import MISSING, Table, backend_order, fmt_count, fmt_duration, fmt_number, markdown, write_tables
+from ..files import package_data
+from .records import load_records, shown
+from .taxonomy import taxonomy_table
+from .throughput import throughput_tables
 
 TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
 # the LRA average leaves Path-X out, as the papers do
@@ -83,7 +84,8 @@ def find_reference(explicit: Optional[str]) -> Tuple[Optional[Path], List[Path]]
                 f"--reference {explicit}: no {REFERENCE_FILES[0]} there; give the folder that holds {' and '.join(REFERENCE_FILES)}"
             )
         return folder, [folder]
-    places = [REPO / "reference", REPO / "shared" / "reference", REPO.parent / "shared" / "reference"]
+    # shipped with the package (lra/reference); absent only from a broken installation
+    places = [package_data("reference")]
     return next((p for p in places if (p / REFERENCE_FILES[0]).is_file()), None), places
 
 
@@ -268,7 +270,7 @@ def parser() -> Parser:
                    help="keep smoke-preset runs in the tables and plots (left out by default: their few steps show "
                    "that the pipeline runs, not what a backend learns)")
     p.add_argument("--out", default="results/tables", help="where to write the tables and plots (default results/tables)")
-    p.add_argument("--reference", help="folder of published_lra.csv and published_efficiency.csv (default: the repo's reference/)")
+    p.add_argument("--reference", help="folder of published_lra.csv and published_efficiency.csv (default: the published numbers shipped with the package, lra/reference/)")
     p.add_argument("--throughput", help="folder of lra-bench sweep records (default: throughput/ beside the first --runs)")
     p.add_argument("--attn-module", action="append", default=[], metavar="FILE.py",
                    help="a Python file registering more backends (for the taxonomy table; may repeat)")
@@ -324,3 +326,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise UserError(f"cannot write to {out}: {err.strerror or err}; choose another folder with --out")
     print(f"wrote {len(written)} files to {out}: {', '.join(sorted(p.name for p in written))}")
     return 0
+
+
+def entry() -> None:
+    console("lra-table", main)

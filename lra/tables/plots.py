@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter  # noqa: E402
 
-from .table_format import write_atomic  # noqa: E402
+from ..files import write_atomic  # noqa: E402
 
 TASK_ORDER = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
 TITLES = {"listops": "ListOps", "text": "Text", "retrieval": "Retrieval", "image": "Image",

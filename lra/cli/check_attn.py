@@ -8,15 +8,14 @@ named ones; built-in names are fine). Exit status 0 when every check passes, 1 w
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import List, Optional
 
-from attentions import get_attention, list_attentions, load_attention_module
+from attentions import list_attentions, load_attention_module, origin
 from attentions.check import FAIL, Report, Sizes, check_backend
 
-from .cli import Parser
-from .errors import UserError
+from . import Parser, console
+from ..errors import UserError
 
 
 def parser() -> Parser:
@@ -30,14 +29,6 @@ def parser() -> Parser:
                    help="check only this backend (may repeat; a built-in name is fine)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs (default 0)")
     return p
-
-
-def origin(name: str) -> str:
-    """Where a backend comes from: "built-in", its user file, or its module (an entry point)."""
-    module = get_attention(name).__module__
-    if module.startswith("attentions."):
-        return "built-in"
-    return getattr(sys.modules.get(module), "__file__", None) or module
 
 
 def print_report(report: Report, sizes: Sizes) -> None:
@@ -71,3 +62,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print_report(report, sizes)
         passed = passed and report.passed
     return 0 if passed else 1
+
+
+def entry() -> None:
+    console("lra-check-attn", main)

@@ -23,10 +23,10 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from tqdm import tqdm
 
-from . import bench_point
-from .bench_env import hardware, load_average, versions
-from .bench_report import fmt_length
-from .record import now
+from . import point as bench_point
+from ..machine import hardware, load_average, versions
+from .report import fmt_length
+from ..record import now
 
 
 
@@ -66,7 +66,7 @@ class Settings:
 def child_context() -> multiprocessing.context.BaseContext:
     """Processes forked from a server that imported torch once: fresh memory, no import per point."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["lra.bench_point"])
+    ctx.set_forkserver_preload(["lra.bench.point"])
     return ctx
 
 

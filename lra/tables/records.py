@@ -8,9 +8,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from .record import validate_record
+from ..record import validate_record
 
-REPO = Path(__file__).resolve().parents[1]
+# the checkout the package runs from (records and tables there are printed relative to it), and the
+# package's own data (the published CSVs, printed as reference/<file>)
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -93,7 +96,9 @@ def shown(path: Optional[Path]) -> str:
     """A path as the tables print it: relative to the repo when inside it, so committed tables stay portable."""
     if path is None:
         return ""
-    try:
-        return str(path.resolve().relative_to(REPO))
-    except ValueError:
-        return str(path)
+    for root in (PACKAGE, REPO):
+        try:
+            return str(path.resolve().relative_to(root))
+        except ValueError:
+            pass
+    return str(path)

@@ -4,11 +4,11 @@
     lra-bench model --lengths 64k,256k,1m                         # the MiTA paper's speed setup
     lra-bench report results/throughput/NAME/record.json          # table and plot again
 
-Every point runs in its own process (lra/bench_point.py) under a time budget and, on the CPU, a
+Every point runs in its own process (lra/bench/point.py) under a time budget and, on the CPU, a
 memory cap; points that run out of memory or time are recorded as ``oom`` / ``timeout``. Full and
 top-k attention too slow to run whole are estimated from a slice of the queries (marked ``~``).
-The sweep writes record.json, table.md and throughput.png to --out (see lra/bench_sweep.py,
-lra/bench_report.py).
+The sweep writes record.json, table.md and throughput.png to --out (see lra/bench/sweep.py,
+lra/bench/report.py).
 """
 from __future__ import annotations
 
@@ -25,12 +25,12 @@ import yaml
 
 from attentions import build_attention, list_attentions
 
-from .bench_env import meminfo_gb
-from .bench_flops import efficiency
-from .bench_report import markdown, plot, slopes
-from .bench_sweep import Settings, sweep
-from .cli import Parser
-from .errors import UserError
+from ..machine import meminfo_gb
+from .flops import efficiency
+from .report import markdown, plot, slopes
+from .sweep import Settings, sweep
+from ..cli import Parser, console
+from ..errors import UserError
 
 LENGTH = re.compile(r"^(\d+)([km]?)$")
 DEFAULT_LENGTHS = {"attention": "1k,4k,16k,64k,256k,1m", "model": "64k,256k,1m"}
@@ -194,7 +194,7 @@ def write(record: Dict[str, Any], out: Path, with_plot: bool) -> Dict[str, Path]
     return paths
 
 
-# what the report reads from a sweep record (lra/bench_sweep.py writes them all)
+# what the report reads from a sweep record (lra/bench/sweep.py writes them all)
 RECORD_KEYS = ("kind", "level", "hardware", "versions", "settings", "load_average", "points")
 
 
@@ -254,3 +254,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(markdown(record))
     print(" ".join(f"{name}: {path}" for name, path in paths.items()))
     return 0
+
+
+def entry() -> None:
+    console("lra-bench", main)

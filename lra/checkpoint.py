@@ -18,7 +18,8 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import IO, Any, Dict, Optional, Tuple
+from dataclasses import dataclass, field, fields
+from typing import IO, Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -29,9 +30,37 @@ from .lock import FolderLock, remove_temporaries
 
 RUN_FILES = ("config.json", "checkpoint.pt", "metrics.jsonl", "record.json", "best_model.pt")
 CHECKPOINT_KEYS = ("model", "optimizer", "state", "rng_cpu", "rng_cuda")
-# everything a resume needs besides the model, optimizer and RNG (train.new_state makes it)
-STATE_KEYS = ("step", "best_acc", "best_step", "best_model", "train_time", "eval_time", "tokens", "peak_mb",
-              "last_loss", "started_at", "losses", "log_bytes")
+
+
+@dataclass
+class TrainState:
+    """Everything a resume needs besides the model, optimizer and RNG; saved as the checkpoint's
+    ``state`` (a plain dict, so that the checkpoint loads with weights_only)."""
+
+    started_at: str
+    # optimizer steps taken
+    step: int = 0
+    # the best validation accuracy so far, its step and a copy of the weights that reached it
+    best_acc: float = -1.0
+    best_step: int = 0
+    best_model: Optional[Dict[str, torch.Tensor]] = None
+    # wall-clock seconds of training steps and of evaluation, tokens trained on, peak memory (MB)
+    train_time: float = 0.0
+    eval_time: float = 0.0
+    tokens: int = 0
+    peak_mb: float = 0.0
+    # the last logged mean loss, and the losses since it
+    last_loss: float = float("nan")
+    losses: List[float] = field(default_factory=list)
+    # the bytes of metrics.jsonl written so far (a resume cuts the log back to them)
+    log_bytes: int = 0
+
+    def to_dict(self) -> Dict[str, Any]:
+        # not dataclasses.asdict: it would deep-copy the best weights
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+STATE_KEYS = tuple(f.name for f in fields(TrainState))
 BUSY = "{folder} is in use by another lra-run (pid {pid}); wait for it to end or stop it, then run the command again"
 
 

@@ -1,61 +1,120 @@
 """The result record: one JSON file per run, the source of every table.
 
-Schema (version 1). Keys are stable; later versions only add keys.
-
-    schema          1
-    status          "completed" | "diverged" | "running" (a checkpointed run not yet finished)
-    run_name        folder name of the run under ``out``
-    task, attn, preset, seed
-    config          the resolved RunConfig (model / train / data / attn_options)
-    attn_budget     keys one query attends to, from the backend (e.g. "m + k = 128")
-    steps           optimizer steps taken
-    best_step       step of the best validation accuracy (the checkpoint tested)
-    val_acc         best validation accuracy (fraction, 0-1)
-    test_acc        test accuracy of the best-validation checkpoint (fraction)
-    majority_acc    accuracy of always predicting the test split's most common label (fraction)
-    test_examples   test examples evaluated (the whole split unless train.test_batches limits it)
-    final_train_loss  mean training loss over the last logging window
-    train_time_s    wall-clock seconds of training steps (evaluation excluded), summed over resumes
-    eval_time_s     wall-clock seconds spent evaluating
-    tokens_per_s    training tokens (padded length x batch) per second of train_time_s
-    peak_memory_mb  peak memory: CUDA max_memory_allocated, or the process's peak RSS on the CPU
-    memory_kind     "cuda_max_allocated" | "cpu_peak_rss"
-    params          trainable parameters
-    device, device_name, world_size, precision
-    torch, python, git_commit, hostname
-    started_at, finished_at  ISO-8601 UTC
-    message         why the run stopped, when it did not complete
-    load_average    the machine's 1, 5 and 15 minute load averages when training ended (the run's own
-                    threads included); optional: records written before it was added lack it
+The fields of :class:`Record` are the schema (version 1): its keys, their order in record.json and
+their types, read by ``validate_record`` too. Keys are stable; later versions only add keys, and a
+key added later has a default (older records lack it).
 """
 from __future__ import annotations
 
+import dataclasses
+import typing
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Dict
-
-
+from typing import Any, Dict, List, Optional
 
 SCHEMA_VERSION = 1
-RECORD_KEYS = (
-    "schema", "status", "run_name", "task", "attn", "preset", "seed", "config", "attn_budget", "steps",
-    "best_step", "val_acc", "test_acc", "majority_acc", "test_examples", "final_train_loss", "train_time_s", "eval_time_s",
-    "tokens_per_s", "peak_memory_mb", "memory_kind", "params", "device", "device_name", "world_size",
-    "precision", "torch", "python", "git_commit", "hostname", "started_at", "finished_at", "message",
-)
+STATUSES = ("completed", "diverged", "running")
+
+
+@dataclass
+class Record:
+    # "completed" | "diverged" | "running" (a checkpointed run not yet finished)
+    status: str
+    # folder name of the run under ``out``
+    run_name: str
+    task: str
+    attn: str
+    preset: str
+    seed: int
+    # the resolved RunConfig (model / train / data / attn_options)
+    config: Dict[str, Any]
+    # keys one query attends to, from the backend (e.g. "m + k = 128")
+    attn_budget: str
+    # optimizer steps taken
+    steps: int
+    # step of the best validation accuracy (the checkpoint tested)
+    best_step: int
+    # best validation accuracy (fraction, 0-1); None before any evaluation
+    val_acc: Optional[float]
+    # test accuracy of the best-validation checkpoint (fraction); None when the run did not complete
+    test_acc: Optional[float]
+    # accuracy of always predicting the test split's most common label (fraction)
+    majority_acc: Optional[float]
+    # test examples evaluated (the whole split unless train.test_batches limits it)
+    test_examples: int
+    # mean training loss over the last logging window
+    final_train_loss: Optional[float]
+    # wall-clock seconds of training steps (evaluation excluded), summed over resumes
+    train_time_s: Optional[float]
+    # wall-clock seconds spent evaluating
+    eval_time_s: Optional[float]
+    # training tokens (padded length x batch) per second of train_time_s
+    tokens_per_s: Optional[float]
+    # peak memory: CUDA max_memory_allocated, or the process's peak RSS on the CPU
+    peak_memory_mb: Optional[float]
+    # "cuda_max_allocated" | "cpu_peak_rss"
+    memory_kind: str
+    # trainable parameters
+    params: int
+    # where it ran (lra.machine.environment)
+    device: str
+    device_name: str
+    torch: str
+    python: str
+    git_commit: str
+    hostname: str
+    world_size: int
+    # "fp32" | "bf16"
+    precision: str
+    # ISO-8601 UTC
+    started_at: str
+    finished_at: Optional[str]
+    # why the run stopped, when it did not complete
+    message: str
+    # the machine's 1, 5 and 15 minute load averages when training ended (the run's own threads
+    # included); added after the first records, which lack it
+    load_average: Optional[List[float]] = None
+    schema: int = SCHEMA_VERSION
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON object: ``schema`` first, then the fields in their order."""
+        data = dataclasses.asdict(self)
+        return {"schema": data.pop("schema"), **data}
+
+
+# every key a record must have: the fields without a default (``schema`` too)
+RECORD_KEYS = ("schema",) + tuple(f.name for f in dataclasses.fields(Record) if f.default is dataclasses.MISSING)
 
 
 def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-
-STATUSES = ("completed", "diverged", "running")
-TEXT_KEYS = ("run_name", "task", "attn", "preset", "memory_kind", "device_name")
-# numbers that may be null (no validation, no test, a diverged run's loss)
-NUMBER_KEYS = ("val_acc", "test_acc", "majority_acc", "final_train_loss", "train_time_s", "eval_time_s",
-               "tokens_per_s", "peak_memory_mb")
+def _type_problem(value: Any, kind: Any) -> Optional[str]:
+    """What ``value`` should have been, when it does not match the field type ``kind``; else None."""
+    if typing.get_origin(kind) is typing.Union:
+        if value is None:
+            return None
+        kind = next(k for k in typing.get_args(kind) if k is not type(None))
+        optional = " or null"
+    else:
+        optional = ""
+    origin = typing.get_origin(kind)
+    if kind is float and not _is_number(value):
+        return "a number" + optional
+    if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
+        return "a whole number" + optional
+    if kind is str and not isinstance(value, str):
+        return "a string" + optional
+    if origin is dict and not isinstance(value, dict):
+        return "an object" + optional
+    if origin is list and not (isinstance(value, list) and all(_is_number(x) for x in value)):
+        return "a list of numbers" + optional
+    return None
 
 
 def validate_record(record: Dict[str, Any]) -> None:
@@ -65,19 +124,13 @@ def validate_record(record: Dict[str, Any]) -> None:
         raise ValueError(f"record is missing {', '.join(missing)}")
     if record["status"] not in STATUSES:
         raise ValueError(f"record status is {record['status']!r}; expected one of {', '.join(STATUSES)}")
-    for key in TEXT_KEYS:
-        if not isinstance(record[key], str):
-            raise ValueError(f"record {key} is {record[key]!r}; expected a string")
-    for key in ("seed", "steps", "best_step"):
-        if not isinstance(record[key], int) or isinstance(record[key], bool):
-            raise ValueError(f"record {key} is {record[key]!r}; expected a whole number")
-    for key in NUMBER_KEYS:
-        value = record[key]
-        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-            raise ValueError(f"record {key} is {value!r:.40}; expected a number or null")
+    hints = typing.get_type_hints(Record)
+    for f in dataclasses.fields(Record):
+        if f.name not in record:
+            continue
+        problem = _type_problem(record[f.name], hints[f.name])
+        if problem:
+            raise ValueError(f"record {f.name} is {record[f.name]!r:.40}; expected {problem}")
     load = record.get("load_average")
-    if load is not None and (not isinstance(load, list) or len(load) != 3
-                             or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in load)):
+    if load is not None and len(load) != 3:
         raise ValueError(f"record load_average is {load!r:.40}; expected three numbers (1, 5, 15 minutes) or null")
-    if not isinstance(record["finished_at"], (str, type(None))):
-        raise ValueError(f"record finished_at is {record['finished_at']!r}; expected a time stamp")

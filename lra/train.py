@@ -5,41 +5,60 @@ the best-validation weights tested at the end. The batch of step ``s`` is a pure
 (seed, s), so a resumed run sees exactly the batches it would have seen. Checkpoints are written
 every ``checkpoint_every`` steps and on SIGTERM / SIGINT; under torchrun the same loop runs with
 DistributedDataParallel and rank 0 writes every file.
+
+    train()        setup -> restore -> loop -> finish, in one screen
+    train_step()   one optimizer step on the batch of ``state.step``
+    after_step()   logging, evaluation and checkpoints on their schedules
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import math
-import resource
 import signal
 import time
 from functools import lru_cache
-from typing import IO, Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from attentions import get_attention
-from attentions.check import output_problem
-
 from . import checkpoint as ckpt
 from . import distributed
-from .augment import augment, check_augment
-from .machine import environment, load_average
+from .augment import augment
+from .checkpoint import TrainState
 from .config import RunConfig, TrainConfig
-from .errors import UserError
-from .model import LRAModel
 from .files import write_json_atomic
-from .record import SCHEMA_VERSION, now
-from .tasks import Split, get_task
-from .tasks.base import quiet_bars
+from .machine import environment, load_average
+from .record import Record, now
+from .tasks import Split
+from .train_setup import Run, peak_memory_mb, setup, to_device
 
 
 class Interrupted(Exception):
     """SIGTERM or SIGINT arrived; a checkpoint was saved and the run can be resumed."""
+
+
+def train(cfg: RunConfig, resume: bool = False, quiet: bool = False) -> Dict[str, Any]:
+    """Train ``cfg.attn`` on ``cfg.task``; write and return the result record (a dict, with ``run_dir``).
+
+    The run folder is locked from when it is chosen until the record is written (or the run stops).
+    """
+    started_at = now()
+    with contextlib.ExitStack() as held:
+        # 1) setup: device and processes, data, model and optimizer
+        run = setup(cfg, quiet)
+        # 2) restore: claim (and lock) the run folder, continue its checkpoint if it has one
+        run.run_dir = claim_run_dir(cfg, resume, run.d, held)
+        state = restore_or_start(run, started_at)
+        # 3) the loop, until the last step, a non-finite loss or a signal
+        status, message = loop(run, state, quiet)
+        # 4) finish: test the best weights, write the record
+        record = finish(run, state, status, message)
+    distributed.teardown(run.d)
+    return {**record.to_dict(), "run_dir": str(run.run_dir)}
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -68,11 +87,153 @@ def batch_indices(step: int, n: int, batch: int, seed: int) -> np.ndarray:
     return np.concatenate(out)
 
 
-def to_device(split: Split, idx: np.ndarray, device: torch.device) -> Tuple[torch.Tensor, ...]:
-    tokens = torch.from_numpy(np.ascontiguousarray(split.tokens[idx]).astype(np.int64)).to(device)
-    lengths = torch.from_numpy(np.ascontiguousarray(split.lengths[idx]).astype(np.int64)).to(device)
-    labels = torch.from_numpy(np.ascontiguousarray(split.labels[idx]).astype(np.int64)).to(device)
-    return tokens, lengths, labels
+def claim_run_dir(cfg: RunConfig, resume: bool, d: distributed.Dist, held: contextlib.ExitStack) -> Any:
+    """Rank 0 chooses and locks the run folder (unlocked when ``held`` closes); every rank gets its path."""
+    run_dir = None
+    if d.main:
+        run_dir, lock = ckpt.claim_run_dir(cfg, resume)
+        held.callback(lock.release)
+    if d.enabled:
+        holder = [run_dir]
+        torch.distributed.broadcast_object_list(holder, src=0)
+        run_dir = holder[0]
+    assert run_dir is not None
+    return run_dir
+
+
+def restore_or_start(run: Run, started_at: str) -> TrainState:
+    """The run's state, and its metrics log opened (rank 0's): from the checkpoint when there is one."""
+    path = run.run_dir / "checkpoint.pt"
+    saved = ckpt.load_checkpoint(path)
+    if saved is None:
+        torch.manual_seed(run.cfg.seed * 1000 + run.d.rank + 1)
+        state = TrainState(started_at=started_at)
+    else:
+        ckpt.restore_weights(path, saved, run.model, run.optimizer)
+        state = TrainState(**saved["state"])
+        rng = saved["rng_cpu"]
+        torch.set_rng_state(rng[run.d.rank] if run.d.rank < len(rng) else rng[0])
+        if run.device.type == "cuda" and saved["rng_cuda"] is not None:
+            torch.cuda.set_rng_state(saved["rng_cuda"].cpu())
+    covered = None if saved is None else state.log_bytes
+    run.log = ckpt.open_metrics(run.run_dir / "metrics.jsonl", covered) if run.d.main else None
+    return state
+
+
+class StopSignals:
+    """While open, SIGTERM and SIGINT are noted in ``received`` (the loop saves and stops at the end
+    of its step) instead of killing the process; the previous handlers come back on close."""
+
+    def __init__(self) -> None:
+        self.received: Optional[int] = None
+
+    def __enter__(self) -> "StopSignals":
+        self.previous = {s: signal.signal(s, self.note) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def note(self, signum: int, _frame: Any) -> None:
+        self.received = signum
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def loop(run: Run, state: TrainState, quiet: bool) -> Tuple[str, str]:
+    """Steps until the last one ("completed"), a non-finite loss ("diverged", with why), or a signal
+    (a checkpoint, then Interrupted). The metrics log is closed and the signal handlers restored on return."""
+    tc, d = run.cfg.train, run.d
+    bar = tqdm(total=tc.steps, initial=state.step, desc=f"{run.cfg.task}/{run.cfg.attn}", disable=quiet or not d.main)
+    try:
+        with StopSignals() as stop:
+            while state.step < tc.steps:
+                loss = train_step(run, state)
+                if not math.isfinite(loss):
+                    return "diverged", f"loss became {loss} at step {state.step + 1}; the last good checkpoint is kept"
+                after_step(run, state, loss, bar)
+                if distributed.any_flag(stop.received is not None, d, run.device):
+                    save(run, state)
+                    raise Interrupted(f"stopped by signal at step {state.step}; continue with the same command (or --resume)")
+    finally:
+        bar.close()
+        if run.log is not None:
+            run.log.close()
+    return "completed", ""
+
+
+def train_step(run: Run, state: TrainState) -> float:
+    """One optimizer step on the batch of step ``state.step``; the global batch's mean loss. A
+    non-finite loss (on any process) is returned before the weights change, and the step not counted."""
+    tc, d, cfg = run.cfg.train, run.d, run.cfg
+    t0 = time.perf_counter()
+    local = tc.batch_size // d.world_size
+    rows = slice(d.rank * local, (d.rank + 1) * local)
+    idx = batch_indices(state.step, len(run.splits["train"]), tc.batch_size, cfg.seed)[rows]
+    tokens, lengths, labels = to_device(run.splits["train"], idx, run.device)
+    tokens = augment(tc.augment, tokens, run.spec, cfg.seed, state.step, tc.batch_size, rows)
+    lr = lr_at(state.step, tc)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    with torch.autocast(device_type=run.device.type, dtype=torch.bfloat16, enabled=run.bf16):
+        logits = run.net(tokens, lengths)
+    loss = F.cross_entropy(logits.float(), labels)
+    # the global batch's mean loss, and whether any process saw a non-finite one
+    stats = distributed.all_sum(torch.stack([loss.detach(), (~torch.isfinite(loss)).float()]), d)
+    global_loss = stats[0].item() / d.world_size
+    if stats[1].item() > 0:
+        return float("nan") if math.isfinite(global_loss) else global_loss
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if tc.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), tc.grad_clip)
+    run.optimizer.step()
+    if run.device.type == "cuda":
+        torch.cuda.synchronize(run.device)
+    state.train_time += time.perf_counter() - t0
+    state.tokens += run.tokens_per_step
+    state.step += 1
+    state.losses.append(global_loss)
+    return global_loss
+
+
+def after_step(run: Run, state: TrainState, loss: float, bar: tqdm) -> None:
+    """The mean loss logged every ``log_every`` steps, the validation split every ``eval_every`` (and
+    at the last step), a checkpoint every ``checkpoint_every``."""
+    tc, step = run.cfg.train, state.step
+    bar.update(1)
+    if step % tc.log_every == 0:
+        state.last_loss = sum(state.losses) / len(state.losses)
+        state.losses = []
+        if run.log is not None:
+            ckpt.append_metric(run.log, {"step": step, "loss": state.last_loss, "lr": run.optimizer.param_groups[0]["lr"]})
+    if step % tc.eval_every == 0 or step == tc.steps:
+        t1 = time.perf_counter()
+        acc, val_loss = evaluate(run.net, run.splits["val"], tc.batch_size, tc.eval_batches, run.device, run.d, run.bf16)
+        state.eval_time += time.perf_counter() - t1
+        if acc > state.best_acc:
+            state.best_acc, state.best_step, state.best_model = acc, step, copy.deepcopy(run.model.state_dict())
+        if run.log is not None:
+            ckpt.append_metric(run.log, {"step": step, "val_acc": acc, "val_loss": val_loss})
+        bar.set_postfix(loss=f"{loss:.3f}", val=f"{acc:.3f}", tok_s=f"{state.tokens / state.train_time:.0f}")
+    if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.steps:
+        save(run, state)
+
+
+def save(run: Run, state: TrainState) -> None:
+    """A resumable checkpoint: weights, optimizer, state and every process's RNG (rank 0 writes it)."""
+    state.peak_mb = max(state.peak_mb, peak_memory_mb(run.device)[0])
+    rng = [torch.get_rng_state()]
+    if run.d.enabled:
+        gathered: list = [None] * run.d.world_size
+        torch.distributed.all_gather_object(gathered, rng[0])
+        rng = gathered
+    if run.log is not None:
+        state.log_bytes = run.log.tell()
+    if run.d.main:
+        ckpt.save_checkpoint(run.run_dir / "checkpoint.pt", {
+            "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "state": state.to_dict(),
+            "rng_cpu": rng, "rng_cuda": torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None,
+        })
 
 
 @torch.no_grad()
@@ -99,266 +260,39 @@ def evaluate(
     return correct / count, loss / count
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"train.device={name} but no CUDA device is visible; use train.device=cpu or auto")
-    try:
-        return torch.device(name)
-    except RuntimeError:
-        raise UserError(f"train.device {name!r} is not a device; valid: auto, cpu, cuda, cuda:N")
-
-
-def peak_memory_mb(device: torch.device) -> Tuple[float, str]:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
-    # ru_maxrss is in KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "cpu_peak_rss"
-
-
-class BrokenBackend(Exception):
-    """An attention's output broke the contract (attentions.check.output_problem)."""
-
-
-def check_backend(model: LRAModel, split: Split, device: torch.device, bf16: bool, attn: str) -> None:
-    """Run the model once on two training rows and check every attention call's output: its shape,
-    dtype and finiteness. A broken backend (often a plugin) is named here, not deep inside the model."""
-    tokens, lengths, _ = to_device(split, np.arange(min(2, len(split))), device)
-
-    def inspect(module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any], out: Any) -> None:
-        q, mask = args[0], kwargs.get("mask", args[3] if len(args) > 3 else None)
-        # under autocast an op may legitimately give float32 where bfloat16 went in
-        problem = output_problem(out, q, mask, dtypes=(q.dtype, torch.float32) if bf16 else None)
-        if problem:
-            raise BrokenBackend(problem)
-
-    hooks = [block.attn.register_forward_hook(inspect, with_kwargs=True) for block in model.encoder.blocks]
-    model.eval()
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
-                model(tokens, lengths)
-    except BrokenBackend as err:
-        raise UserError(f"attention {attn!r} broke the contract on its first call: {err}; "
-                        "`lra-check-attn --name NAME` (with the backend's file) runs the whole contract battery")
-    finally:
-        for hook in hooks:
-            hook.remove()
-        model.train()
-
-
-def new_state(started_at: str) -> Dict[str, Any]:
-    """Everything a resume needs besides the model, optimizer and RNG (checkpoint.STATE_KEYS)."""
-    return {
-        "step": 0, "best_acc": -1.0, "best_step": 0, "best_model": None, "train_time": 0.0,
-        "eval_time": 0.0, "tokens": 0, "peak_mb": 0.0, "last_loss": float("nan"), "started_at": started_at,
-        # the losses since the last logged mean, and the bytes of metrics.jsonl written so far
-        "losses": [], "log_bytes": 0,
-    }
-
-
-def resume_or_start(
-    run_dir: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: RunConfig, d: distributed.Dist,
-    device: torch.device, started_at: str,
-) -> Tuple[Dict[str, Any], Optional[IO[bytes]]]:
-    """The run's state and its metrics log (rank 0's): from the checkpoint when there is one, else new."""
-    path = run_dir / "checkpoint.pt"
-    saved = ckpt.load_checkpoint(path)
-    if saved is None:
-        torch.manual_seed(cfg.seed * 1000 + d.rank + 1)
-        state = new_state(started_at)
-    else:
-        ckpt.restore_weights(path, saved, model, optimizer)
-        state = saved["state"]
-        rng = saved["rng_cpu"]
-        torch.set_rng_state(rng[d.rank] if d.rank < len(rng) else rng[0])
-        if device.type == "cuda" and saved["rng_cuda"] is not None:
-            torch.cuda.set_rng_state(saved["rng_cuda"].cpu())
-    covered = None if saved is None else state["log_bytes"]
-    return state, ckpt.open_metrics(run_dir / "metrics.jsonl", covered) if d.main else None
-
-
-def claim_run_dir(cfg: RunConfig, resume: bool, d: distributed.Dist, held: contextlib.ExitStack) -> Any:
-    """Rank 0 chooses and locks the run folder (unlocked when ``held`` closes); every rank gets its path."""
-    run_dir = None
-    if d.main:
-        run_dir, lock = ckpt.claim_run_dir(cfg, resume)
-        held.callback(lock.release)
-    if d.enabled:
-        holder = [run_dir]
-        torch.distributed.broadcast_object_list(holder, src=0)
-        run_dir = holder[0]
-    assert run_dir is not None
-    return run_dir
-
-
-def train(cfg: RunConfig, resume: bool = False, quiet: bool = False) -> Dict[str, Any]:
-    """Train ``cfg.attn`` on ``cfg.task``; write and return the result record.
-
-    The run folder is locked from when it is chosen until the record is written (or the run stops).
-    """
-    with contextlib.ExitStack() as held:
-        return run_training(cfg, resume, quiet, held)
-
-
-def run_training(cfg: RunConfig, resume: bool, quiet: bool, held: contextlib.ExitStack) -> Dict[str, Any]:
-    started_at = now()
-    tc = cfg.train
-    device = pick_device(tc.device)
-    d = distributed.setup(device)
-    if d.enabled and device.type == "cuda":
-        device = torch.device("cuda", d.local_rank)
-    if tc.batch_size % d.world_size:
-        raise UserError(f"train.batch_size ({tc.batch_size}) must be divisible by the {d.world_size} processes")
-    if tc.threads:
-        torch.set_num_threads(tc.threads)
-    bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
-
-    task = get_task(cfg.task)
-    spec = task.spec
-    if spec.padded and not get_attention(cfg.attn).supports_mask:
-        raise UserError(f"attention {cfg.attn!r} cannot honour a padding mask, and task {cfg.task!r} is padded")
-    check_augment(tc.augment, spec)
-    # rank 0 generates or caches the data first; the others then read the cache
-    with quiet_bars(quiet):
-        splits = task.load(cfg.data) if d.main else None
-        distributed.barrier(d)
-        splits = splits or task.load(cfg.data)
-    max_len = task.max_len(cfg.data)
-    train_split, val_split, test_split = splits["train"], splits["val"], splits["test"]
-
-    torch.manual_seed(cfg.seed)
-    model = LRAModel(
-        cfg.model, cfg.attn, cfg.attn_options, spec.vocab_size, spec.num_classes, max_len, spec.dual, spec.padded
-    ).to(device)
-    check_backend(model, train_split, device, bf16, cfg.attn)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
-    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    budget = model.encoder.blocks[0].attn.budget()
-
-    run_dir = claim_run_dir(cfg, resume, d, held)
-    state, log = resume_or_start(run_dir, model, optimizer, cfg, d, device, started_at)
-
-    net = torch.nn.parallel.DistributedDataParallel(model) if d.enabled else model
-
-    def save() -> None:
-        state["peak_mb"] = max(state["peak_mb"], peak_memory_mb(device)[0])
-        rng = [torch.get_rng_state()]
-        if d.enabled:
-            gathered: list = [None] * d.world_size
-            torch.distributed.all_gather_object(gathered, rng[0])
-            rng = gathered
-        if log is not None:
-            state["log_bytes"] = log.tell()
-        if d.main:
-            ckpt.save_checkpoint(run_dir / "checkpoint.pt", {
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": state, "rng_cpu": rng,
-                "rng_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-            })
-
-    stop = {"signal": None}
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        stop["signal"] = signum
-
-    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    tokens_per_step = tc.batch_size * max_len * (2 if spec.dual else 1)
-    local = tc.batch_size // d.world_size
-    bar = tqdm(total=tc.steps, initial=state["step"], desc=f"{cfg.task}/{cfg.attn}", disable=quiet or not d.main)
-    status, message = "completed", ""
-    try:
-        while state["step"] < tc.steps:
-            step = state["step"]
-            t0 = time.perf_counter()
-            rows = slice(d.rank * local, (d.rank + 1) * local)
-            idx = batch_indices(step, len(train_split), tc.batch_size, cfg.seed)[rows]
-            tokens, lengths, labels = to_device(train_split, idx, device)
-            tokens = augment(tc.augment, tokens, spec, cfg.seed, step, tc.batch_size, rows)
-            lr = lr_at(step, tc)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
-                logits = net(tokens, lengths)
-            loss = F.cross_entropy(logits.float(), labels)
-            # the global batch's mean loss, and whether any process saw a non-finite one
-            stats = distributed.all_sum(torch.stack([loss.detach(), (~torch.isfinite(loss)).float()]), d)
-            global_loss = stats[0].item() / d.world_size
-            if stats[1].item() > 0:
-                status = "diverged"
-                message = f"loss became {global_loss} at step {step + 1}; the last good checkpoint is kept"
-                break
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if tc.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-            optimizer.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            state["train_time"] += time.perf_counter() - t0
-            state["tokens"] += tokens_per_step
-            state["step"] = step = step + 1
-            state["losses"].append(global_loss)
-            bar.update(1)
-
-            if step % tc.log_every == 0:
-                state["last_loss"] = sum(state["losses"]) / len(state["losses"])
-                state["losses"] = []
-                if log is not None:
-                    ckpt.append_metric(log, {"step": step, "loss": state["last_loss"], "lr": lr})
-            if step % tc.eval_every == 0 or step == tc.steps:
-                t1 = time.perf_counter()
-                acc, val_loss = evaluate(net, val_split, tc.batch_size, tc.eval_batches, device, d, bf16)
-                state["eval_time"] += time.perf_counter() - t1
-                if acc > state["best_acc"]:
-                    state.update(best_acc=acc, best_step=step, best_model=copy.deepcopy(model.state_dict()))
-                if log is not None:
-                    ckpt.append_metric(log, {"step": step, "val_acc": acc, "val_loss": val_loss})
-                bar.set_postfix(loss=f"{global_loss:.3f}", val=f"{acc:.3f}", tok_s=f"{state['tokens'] / state['train_time']:.0f}")
-            if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.steps:
-                save()
-            if distributed.any_flag(stop["signal"] is not None, d, device):
-                save()
-                raise Interrupted(f"stopped by signal at step {step}; continue with the same command (or --resume)")
-    finally:
-        bar.close()
-        if log is not None:
-            log.close()
-        for s, handler in old_handlers.items():
-            signal.signal(s, handler)
-
+def finish(run: Run, state: TrainState, status: str, message: str) -> Record:
+    """Test the best-validation weights (a completed run), then write record.json (and best_model.pt)."""
+    tc, cfg = run.cfg.train, run.cfg
     # how busy the machine was while training: the train time of two runs compares only at similar loads
     load = load_average()
-    if state["losses"]:
-        state["last_loss"] = sum(state["losses"]) / len(state["losses"])
-    if status == "completed" and state["best_model"] is not None:
-        model.load_state_dict(state["best_model"])
-        test_acc, _ = evaluate(net, test_split, tc.batch_size, tc.test_batches, device, d, bf16)
-    else:
-        test_acc = float("nan")
-    mem, mem_kind = peak_memory_mb(device)
-    n_test = len(test_split) if not tc.test_batches else min(len(test_split), tc.test_batches * tc.batch_size)
-    counts = np.bincount(np.asarray(test_split.labels[:n_test]), minlength=spec.num_classes)
-    record = {
-        "schema": SCHEMA_VERSION, "status": status, "run_name": run_dir.name, "task": cfg.task, "attn": cfg.attn,
-        "preset": cfg.preset, "seed": cfg.seed, "config": cfg.to_dict(), "attn_budget": budget, "steps": state["step"],
-        "best_step": state["best_step"], "val_acc": state["best_acc"] if state["best_acc"] >= 0 else None,
-        "test_acc": None if math.isnan(test_acc) else test_acc, "majority_acc": float(counts.max() / counts.sum()),
-        "test_examples": n_test,
-        "final_train_loss": None if math.isnan(state["last_loss"]) else state["last_loss"],
-        "train_time_s": round(state["train_time"], 3), "eval_time_s": round(state["eval_time"], 3),
-        "tokens_per_s": state["tokens"] / state["train_time"] if state["train_time"] else None,
-        "peak_memory_mb": round(max(mem, state["peak_mb"]), 1), "memory_kind": mem_kind, "params": params,
-        **environment(device), "world_size": d.world_size, "precision": "bf16" if bf16 else "fp32",
-        "started_at": state["started_at"], "finished_at": now(), "message": message, "load_average": load,
-    }
-    if d.main:
+    if state.losses:
+        state.last_loss = sum(state.losses) / len(state.losses)
+    test_acc: Optional[float] = None
+    if status == "completed" and state.best_model is not None:
+        run.model.load_state_dict(state.best_model)
+        test_acc, _ = evaluate(run.net, run.splits["test"], tc.batch_size, tc.test_batches, run.device, run.d, run.bf16)
+    mem, mem_kind = peak_memory_mb(run.device)
+    test = run.splits["test"]
+    n_test = len(test) if not tc.test_batches else min(len(test), tc.test_batches * tc.batch_size)
+    counts = np.bincount(np.asarray(test.labels[:n_test]), minlength=run.spec.num_classes)
+    record = Record(
+        status=status, run_name=run.run_dir.name, task=cfg.task, attn=cfg.attn, preset=cfg.preset, seed=cfg.seed,
+        config=cfg.to_dict(), attn_budget=run.model.encoder.blocks[0].attn.budget(), steps=state.step,
+        best_step=state.best_step, val_acc=state.best_acc if state.best_acc >= 0 else None, test_acc=test_acc,
+        majority_acc=float(counts.max() / counts.sum()), test_examples=n_test,
+        final_train_loss=None if math.isnan(state.last_loss) else state.last_loss,
+        train_time_s=round(state.train_time, 3), eval_time_s=round(state.eval_time, 3),
+        tokens_per_s=state.tokens / state.train_time if state.train_time else None,
+        peak_memory_mb=round(max(mem, state.peak_mb), 1), memory_kind=mem_kind,
+        params=sum(p.numel() for p in run.model.parameters() if p.requires_grad),
+        **environment(run.device), world_size=run.d.world_size, precision="bf16" if run.bf16 else "fp32",
+        started_at=state.started_at, finished_at=now(), message=message, load_average=load,
+    )
+    if run.d.main:
         if status == "completed":
-            ckpt.save_checkpoint(run_dir / "best_model.pt", state["best_model"])
-        write_json_atomic(run_dir / "record.json", record)
+            ckpt.save_checkpoint(run.run_dir / "best_model.pt", state.best_model)
+        write_json_atomic(run.run_dir / "record.json", record.to_dict())
         # after the record: a kill in between leaves a finished folder, never a checkpoint-less unfinished one
         if status == "completed":
-            (run_dir / "checkpoint.pt").unlink(missing_ok=True)
-    record["run_dir"] = str(run_dir)
-    distributed.teardown(d)
+            (run.run_dir / "checkpoint.pt").unlink(missing_ok=True)
     return record

@@ -36,7 +36,9 @@ def make_record(task: str, attn: str, seed: int, test_acc: float, status: str = 
         test_acc=test_acc if status == "completed" else None, train_time_s=train_time_s, eval_time_s=5.0,
         tokens_per_s=2000.0, peak_memory_mb=400.0, memory_kind="cpu_peak_rss", params=1000, device="cpu",
         device_name="x86_64 (2 CPUs visible)", world_size=1, precision="fp32", finished_at=finished_at,
-        message="" if status == "completed" else "loss became nan at step 7",
+        message="" if status == "completed" else "loss became nan at step 7", test_examples=416,
+        final_train_loss=1.9, torch="2.13.0+cpu", python="3.11.7", git_commit="0" * 40, hostname="vm",
+        started_at="2025-12-31T23:00:00+00:00",
     )
     validate_record(record)
     return record

@@ -1,0 +1,136 @@
+"""What a training run is built from before its first step: the device and processes, the data, the
+model (checked against the attention contract on its first call) and the optimizer."""
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+from attentions import get_attention
+from attentions.check import output_problem
+
+from . import distributed
+from .augment import check_augment
+from .config import RunConfig
+from .errors import UserError
+from .model import LRAModel
+from .tasks import Split, TaskSpec, get_task
+from .tasks.base import quiet_bars
+
+
+@dataclass
+class Run:
+    """Everything the loop works with; ``run_dir`` and ``log`` are filled once the folder is claimed."""
+
+    cfg: RunConfig
+    device: torch.device
+    d: distributed.Dist
+    bf16: bool
+    spec: TaskSpec
+    splits: Dict[str, Split]
+    max_len: int
+    model: LRAModel
+    # the model as the loop calls it: wrapped in DistributedDataParallel under torchrun
+    net: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    run_dir: Optional[Path] = None
+    # rank 0's metrics.jsonl (None on the other ranks)
+    log: Optional[IO[bytes]] = None
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.batch_size * self.max_len * (2 if self.spec.dual else 1)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"train.device={name} but no CUDA device is visible; use train.device=cpu or auto")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise UserError(f"train.device {name!r} is not a device; valid: auto, cpu, cuda, cuda:N")
+
+
+def peak_memory_mb(device: torch.device) -> Tuple[float, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
+    # ru_maxrss is in KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "cpu_peak_rss"
+
+
+def to_device(split: Split, idx: np.ndarray, device: torch.device) -> Tuple[torch.Tensor, ...]:
+    tokens = torch.from_numpy(np.ascontiguousarray(split.tokens[idx]).astype(np.int64)).to(device)
+    lengths = torch.from_numpy(np.ascontiguousarray(split.lengths[idx]).astype(np.int64)).to(device)
+    labels = torch.from_numpy(np.ascontiguousarray(split.labels[idx]).astype(np.int64)).to(device)
+    return tokens, lengths, labels
+
+
+def setup(cfg: RunConfig, quiet: bool) -> Run:
+    """Device and processes, data (rank 0 generates or caches it first), model and optimizer."""
+    tc = cfg.train
+    device = pick_device(tc.device)
+    d = distributed.setup(device)
+    if d.enabled and device.type == "cuda":
+        device = torch.device("cuda", d.local_rank)
+    if tc.batch_size % d.world_size:
+        raise UserError(f"train.batch_size ({tc.batch_size}) must be divisible by the {d.world_size} processes")
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
+    bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
+
+    task = get_task(cfg.task)
+    spec = task.spec
+    if spec.padded and not get_attention(cfg.attn).supports_mask:
+        raise UserError(f"attention {cfg.attn!r} cannot honour a padding mask, and task {cfg.task!r} is padded")
+    check_augment(tc.augment, spec)
+    with quiet_bars(quiet):
+        splits = task.load(cfg.data) if d.main else None
+        distributed.barrier(d)
+        splits = splits or task.load(cfg.data)
+    max_len = task.max_len(cfg.data)
+
+    torch.manual_seed(cfg.seed)
+    model = LRAModel(
+        cfg.model, cfg.attn, cfg.attn_options, spec.vocab_size, spec.num_classes, max_len, spec.dual, spec.padded
+    ).to(device)
+    check_backend(model, splits["train"], device, bf16, cfg.attn)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+    net = torch.nn.parallel.DistributedDataParallel(model) if d.enabled else model
+    return Run(cfg, device, d, bf16, spec, splits, max_len, model, net, optimizer)
+
+
+class BrokenBackend(Exception):
+    """An attention's output broke the contract (attentions.check.output_problem)."""
+
+
+def check_backend(model: LRAModel, split: Split, device: torch.device, bf16: bool, attn: str) -> None:
+    """Run the model once on two training rows and check every attention call's output: its shape,
+    dtype and finiteness. A broken backend (often a plugin) is named here, not deep inside the model."""
+    tokens, lengths, _ = to_device(split, np.arange(min(2, len(split))), device)
+
+    def inspect(module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any], out: Any) -> None:
+        q, mask = args[0], kwargs.get("mask", args[3] if len(args) > 3 else None)
+        # under autocast an op may legitimately give float32 where bfloat16 went in
+        problem = output_problem(out, q, mask, dtypes=(q.dtype, torch.float32) if bf16 else None)
+        if problem:
+            raise BrokenBackend(problem)
+
+    hooks = [block.attn.register_forward_hook(inspect, with_kwargs=True) for block in model.encoder.blocks]
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
+                model(tokens, lengths)
+    except BrokenBackend as err:
+        raise UserError(f"attention {attn!r} broke the contract on its first call: {err}; "
+                        "`lra-check-attn --name NAME` (with the backend's file) runs the whole contract battery")
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.train()

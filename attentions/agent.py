@@ -32,6 +32,7 @@ class AgentConfig:
 
 @register("agent")
 class AgentAttention(Attention):
+    order = 5
     paper = "Han et al. 2024, Agent Attention: On the Integration of Softmax and Linear Attention"
     Config = AgentConfig
     cost = "O(N n D)"

@@ -9,12 +9,15 @@ A backend is an ``nn.Module`` subclass of :class:`Attention` that mixes values o
 
 Each backend declares its hyperparameters as a dataclass (``Config``), its capability flags, the
 number of keys one query attends to (``budget``), its cost in N, and where it sits in the MiTA
-paper's five-dimensional taxonomy. The registry (``registry.py``) builds backends from names.
+paper's five-dimensional taxonomy. It also owns the facts the benchmark and the device check need:
+whether it routes (``routes``), its FLOP count where one is meaningful (``flops``), whether a slice of
+its queries can be timed alone (``independent_queries`` + ``attend``) and which implementation runs
+on a device (``implementation``). The registry (``registry.py``) builds backends from names.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional, Tuple
 
 import torch
 from torch import nn
@@ -82,6 +85,12 @@ class Attention(nn.Module):
     # cost of one forward in the sequence length, for the README table, e.g. "O(N^2 D)"
     cost: ClassVar[str] = ""
     taxonomy: ClassVar[Taxonomy]
+    # every query's output depends on that query and all N keys only, so S queries cost S / N of the
+    # whole: the benchmark times a slice through ``attend`` and scales it where the whole is too slow
+    independent_queries: ClassVar[bool] = False
+    # where the built-ins are listed (registry, tables): full first, MiTA last; a plugin's default
+    # puts it after them, in name order
+    order: ClassVar[float] = float("inf")
 
     def __init__(self, dims: AttnDims, cfg: object) -> None:
         super().__init__()
@@ -91,6 +100,29 @@ class Attention(nn.Module):
     def budget(self) -> str:
         """How many keys one query attends to at these settings, as a short formula with a value."""
         return "N"
+
+    @classmethod
+    def routes(cls) -> bool:
+        """Whether the backend chooses keys per query from the data (its taxonomy's scaling is routing
+        or both): two correct kernels may then disagree on rows where a near-tie flips a choice."""
+        return cls.taxonomy.scaling in ("routing", "both")
+
+    @classmethod
+    def flops(cls, cfg: Any, n: int, d: int) -> Optional[Tuple[float, float]]:
+        """(forward, train) FLOPs of one head at length ``n``, head dim ``d`` (a multiply-add is 2;
+        memory-bound work such as softmax, top-k and gathers is not counted), or None where the
+        backend does not count them."""
+        return None
+
+    @classmethod
+    def implementation(cls, cfg: Any, device: torch.device) -> str:
+        """Which implementation runs on ``device`` at settings ``cfg`` (benchmark records name it)."""
+        return f"attentions.{cls.name}"
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Queries q [B, H, S, D] (any S) over keys k, v [B, H, N, D], no mask: for backends with
+        ``independent_queries``, whose slices the benchmark times."""
+        raise NotImplementedError(f"attention {self.name!r} has independent_queries = False: no slice of its queries runs alone")
 
     def forward(
         self,

@@ -64,6 +64,11 @@ def pick_grouped(kernel: str, device: torch.device) -> Callable:
     return grouped_attention
 
 
+def kernel_name(kernel: str, device: torch.device) -> str:
+    """"triton" or "torch": the grouped kernel that ``kernel`` picks on ``device`` (benchmark records name it)."""
+    return "triton" if pick_grouped(kernel, device) is grouped_attention_triton else "torch"
+
+
 def kernels() -> ModuleType:
     """grouped_kernels.py, imported on first use (``attentions`` works without Triton).
 

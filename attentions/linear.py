@@ -32,6 +32,7 @@ class LinearConfig:
 
 @register("linear")
 class LinearAttention(Attention):
+    order = 1
     paper = "Katharopoulos et al. 2020, Transformers are RNNs: Fast Autoregressive Transformers with Linear Attention"
     Config = LinearConfig
     cost = "O(N D^2)"

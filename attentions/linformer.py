@@ -36,6 +36,7 @@ class LinformerConfig:
 
 @register("linformer")
 class LinformerAttention(Attention):
+    order = 2
     paper = "Wang et al. 2020, Linformer: Self-Attention with Linear Complexity"
     Config = LinformerConfig
     cost = "O(N k D)"

@@ -22,7 +22,7 @@ import torch
 
 from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs, in_batch_chunks
 from .grouped import gather_rows, merge
-from .grouped_triton import check_kernel, pick_grouped
+from .grouped_triton import check_kernel, kernel_name, pick_grouped
 from .masking import pool_real
 from .registry import register
 
@@ -139,6 +139,7 @@ def route(q: torch.Tensor, marks: torch.Tensor, real_marks: torch.Tensor, per_qu
 
 @register("mita")
 class MiTAAttention(Attention):
+    order = 6
     paper = "Wen et al. 2026, Mixture-of-Top-k Attention: Efficient Attention via Scalable Fast Weights"
     Config = MiTAConfig
     cost = "O((m + k) N D)"
@@ -166,6 +167,22 @@ class MiTAAttention(Attention):
                 f"and at most topk={cfg.topk} (each expert keeps topk // experts_per_query keys)"
             )
         check_kernel(cfg.kernel, "mita")
+
+    @classmethod
+    def implementation(cls, cfg: MiTAConfig, device: torch.device) -> str:
+        return f"attentions.mita ({kernel_name(cfg.kernel, device)} kernel)"
+
+    @classmethod
+    def flops(cls, cfg: MiTAConfig, n: int, d: int) -> Tuple[float, float]:
+        """m landmarks, k routed keys per query, shared expert on (per head, length n, head dim d):
+        landmark scores L K^T 2 m N D (under no_grad: no backward); shared expert softmax(L K^T) V
+        4 m N D; per query the gate q L^T 2 N m D, routed logits 2 N k D and the mixing of the m shared
+        and k routed values 2 N (m + k) D: together 4 N (m + k) D. Train = forward + 2x (forward - scores)."""
+        m = min(cfg.landmarks, n)
+        k = min(cfg.experts_per_query * (cfg.topk // cfg.experts_per_query), n)
+        scores = 2.0 * m * n * d
+        forward = scores + 4.0 * m * n * d + 4.0 * n * (m + k) * d
+        return forward, forward + 2.0 * (forward - scores)
 
     def budget(self) -> str:
         cfg = self.cfg

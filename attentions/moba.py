@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs, in_batch_chunks
 from .grouped import merge
-from .grouped_triton import check_kernel, pick_grouped
+from .grouped_triton import check_kernel, kernel_name, pick_grouped
 from .registry import register
 
 # block scores [B, H, chunk, N / block_size] computed at once, in elements (bounds memory, not results)
@@ -119,6 +119,7 @@ def reference(
 
 @register("moba")
 class MoBAAttention(Attention):
+    order = 3
     paper = "Lu et al. 2025, MoBA: Mixture of Block Attention for Long-Context LLMs"
     Config = MoBAConfig
     cost = "O(N^2 D / block_size + N topk block_size D)"
@@ -136,6 +137,10 @@ class MoBAAttention(Attention):
             if getattr(cfg, name) < 1:
                 raise AttentionError(f"moba {name} must be a positive integer, got {getattr(cfg, name)}")
         check_kernel(cfg.kernel, "moba")
+
+    @classmethod
+    def implementation(cls, cfg: MoBAConfig, device: torch.device) -> str:
+        return f"attentions.moba ({kernel_name(cfg.kernel, device)} kernel)"
 
     def budget(self) -> str:
         return f"topk x block_size = {self.cfg.topk * self.cfg.block_size}"

@@ -5,14 +5,17 @@
 
     attn = build_attention("mine", num_heads=2, head_dim=32, max_len=2000, some_param=3)
 
-Backends come from this package, from a user's file (``load_attention_module``) or from installed
-packages that expose them through the entry-point group ``lra.attentions``.
+Backends come from this package (every module of it that registers one is a built-in: a new
+built-in is one file here, plus its YAML values for LRA runs in lra/configs/attn/), from a user's
+file (``load_attention_module``) or from installed packages that expose them through the
+entry-point group ``lra.attentions``. Listings put the built-ins first, in their ``order``.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import importlib.util
+import pkgutil
 import sys
 import typing
 from pathlib import Path
@@ -21,7 +24,7 @@ from typing import Any, Callable, Dict, List, Type
 from .base import Attention, AttentionError, AttnDims
 
 _REGISTRY: Dict[str, Type[Attention]] = {}
-_BUILTINS = ("full", "linear", "linformer", "moba", "topk", "agent", "mita")
+_builtins_loaded = False
 _ENTRY_POINT_GROUP = "lra.attentions"
 _plugins_loaded = False
 # user files already imported (resolved path -> the names they registered): a file runs once per process
@@ -48,13 +51,21 @@ def register(name: str) -> Callable[[Type[Attention]], Type[Attention]]:
 
 
 def _load_builtins() -> None:
-    for module in _BUILTINS:
-        try:
-            importlib.import_module(f"attentions.{module}")
-        except ModuleNotFoundError as err:
-            # a backend file not written yet; any other missing module is a real error
-            if err.name != f"attentions.{module}":
-                raise
+    """Import every module of this package that registers a backend (its source holds ``@register(``;
+    the helpers beside them are not imported here)."""
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True
+    package = Path(__file__).resolve().parent
+    for info in pkgutil.iter_modules([str(package)]):
+        source = package / f"{info.name}.py"
+        if source.is_file() and "@register(" in source.read_text() and info.name != "registry":
+            importlib.import_module(f"{__package__}.{info.name}")
+
+
+def _builtin(cls: Type[Attention]) -> bool:
+    return cls.__module__.startswith(f"{__package__}.")
 
 
 def _load_entry_points() -> None:
@@ -102,11 +113,10 @@ def load_attention_module(path: str) -> List[str]:
 
 
 def list_attentions() -> List[str]:
-    """Every registered backend name, built-ins first."""
+    """Every registered backend name: the built-ins in their ``order``, then the others by name."""
     _load_builtins()
     _load_entry_points()
-    builtins = [n for n in _BUILTINS if n in _REGISTRY]
-    return builtins + sorted(n for n in _REGISTRY if n not in _BUILTINS)
+    return sorted(_REGISTRY, key=lambda n: (not _builtin(_REGISTRY[n]), _REGISTRY[n].order, n))
 
 
 def get_attention(name: str) -> Type[Attention]:
@@ -120,9 +130,10 @@ def get_attention(name: str) -> Type[Attention]:
 def origin(name: str) -> str:
     """Where backend ``name`` comes from: "built-in", the user's file (relative to the working folder
     when inside it), or the module of an installed entry point."""
-    module = get_attention(name).__module__
-    if module.startswith("attentions."):
+    cls = get_attention(name)
+    if _builtin(cls):
         return "built-in"
+    module = cls.__module__
     path = getattr(sys.modules.get(module), "__file__", None)
     if path is None:
         return f"{module} (entry point)"

@@ -85,9 +85,11 @@ class TopKChunk(torch.autograd.Function):
 
 @register("topk")
 class TopKAttention(Attention):
+    order = 4
     paper = "Gupta et al. 2021, Memory-efficient Transformers via Top-k Attention"
     Config = TopKConfig
     cost = "O(N^2 D) time, O(chunk N) memory"
+    independent_queries = True
     taxonomy = Taxonomy(
         scaling="routing",
         expert_count="N (one per query)",

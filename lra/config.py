@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import yaml
 
-from attentions import AttentionError, build_config, get_attention, list_attentions
+from attentions import AttentionError, build_config, list_attentions, origin
 
 from .errors import UserError
 from .files import package_data
@@ -208,7 +208,7 @@ def backend_values(attn: str) -> Dict[str, Any]:
     if path.is_file():
         return read_yaml(path)
     try:
-        builtin = get_attention(attn).__module__.startswith("attentions.")
+        builtin = origin(attn) == "built-in"
     except AttentionError as err:
         raise UserError(str(err)) from err
     if builtin:

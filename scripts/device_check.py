@@ -46,7 +46,6 @@ from attentions.registry import config_fields  # noqa: E402
 from attentions.check import Sizes, padding_mask, real_lengths  # noqa: E402
 from lra.machine import hardware, versions  # noqa: E402
 
-ROUTING = {"topk", "moba", "mita"}
 TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 # routing backends: share of rows that must agree, and the median row error they must keep (the rest
 # picked a different key, block or expert under rounding; measured on the CPU at the defaults, N=256:
@@ -109,7 +108,7 @@ def verdict(name: str, errs: Dict[str, torch.Tensor], tol: float, max_median: fl
     for key, err in errs.items():
         agreeing = float((err <= tol).float().mean())
         summary[key] = {"max_row_err": float(err.max()), "median_row_err": float(err.median()), "agreeing": agreeing}
-        if name in ROUTING:
+        if get_attention(name).routes():
             ok = ok and agreeing >= MIN_AGREEING and float(err.median()) <= max_median
         else:
             ok = ok and agreeing == 1.0
@@ -180,23 +179,23 @@ def check_backend(name: str, device: torch.device, n: int, seed: int, kernel: Op
             alone = [x[i : i + 1, :, :length] for x in qkv]
             out = run(dev_attn, alone, None, device, autocast=True)["out"]
             err = row_errors(padded[i : i + 1, :, :length], out, torch.ones(1, length, dtype=torch.bool))
-            worst = max(worst, float(err.max()) if name not in ROUTING else float(err.median()))
+            worst = max(worst, float(err.median()) if get_attention(name).routes() else float(err.max()))
         result["padding"] = {"worst_row_err": worst, "status": "PASS" if worst <= TOLERANCE["bf16"] else "FAIL"}
     return result
 
 
 def sdpa_flash_check(device: torch.device, n: int) -> Dict[str, object]:
-    """The benchmarks' FlashAttention stand-in (SDPA restricted to its flash kernel) in bf16 vs float64 math."""
-    from lra.bench.workloads import FlashFull
+    """The benchmarks' FlashAttention baseline (full attention, flash=True: flash-attn, else SDPA
+    restricted to its flash kernel) in bf16 vs float64 math."""
     from attentions.full import reference
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, n, 32, generator=gen) for _ in range(3))
-    flash = FlashFull()
+    flash = build_attention("full", num_heads=4, head_dim=32, max_len=n, flash=True)
     out = flash(*(x.to(device, torch.bfloat16) for x in (q, k, v)))
     ref = reference(q.double(), k.double(), v.double()).float()
     err = row_errors(out, ref, torch.ones(1, n, dtype=torch.bool))
-    return {"kernel": flash.kernel, "length": n, "max_row_err": float(err.max()),
+    return {"kernel": flash.implementation(flash.cfg, device), "length": n, "max_row_err": float(err.max()),
             "status": "PASS" if float(err.max()) <= TOLERANCE["bf16"] else "FAIL"}
 
 

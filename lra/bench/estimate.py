@@ -1,8 +1,8 @@
 """Estimates for benchmark points too slow to run whole (full or top-k attention at long N).
 
-In full and top-k attention every query's output depends on that query and all N keys only, so
-the cost of N queries is N / S times the cost of a slice of S queries against all N keys: time the
-slice, scale it linearly. At the model level the attention is timed that way and the rest of the
+Where every query's output depends on that query and all N keys only (a backend's
+``independent_queries``: full and top-k attention), the cost of N queries is N / S times the cost
+of a slice of S queries against all N keys: time the slice, scale it linearly. At the model level the attention is timed that way and the rest of the
 model (embeddings, projections, FFN, optimizer) is timed for real with the attention replaced by a
 pass-through, then the two are added: rest + layers x attention. Every such point is ``estimated``.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Callable, Dict, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 # queries attend to all N keys independently: a slice of queries costs S / N of the whole
@@ -37,31 +36,10 @@ def add_stats(rest: Dict[str, object], part: Dict[str, object], times: int) -> D
     return total
 
 
-def full_slice(attn: nn.Module) -> SliceFn:
-    """Softmax attention of a slice of queries [B, H, S, D] over all keys [B, H, N, D].
-
-    ``attn`` is the module that runs ``full`` in the benchmark: the backend (SDPA) or the CUDA
-    flash kernel wrapper, which both accept S != N when called on their kernel directly.
-    """
-    kernel = getattr(attn, "attend", None)
-    if kernel is not None:
-        return kernel
-    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v)
-
-
-def topk_slice(attn: nn.Module) -> Optional[SliceFn]:
-    """Top-k attention of a slice of queries over all keys, chunked as the backend chunks it."""
-    attend = getattr(attn, "attend", None)
-    return None if attend is None else (lambda q, k, v: attend(q, k, v))
-
-
-def slice_fn(backend: str, attn: nn.Module) -> Optional[SliceFn]:
-    """The slice function of a backend whose cost is linear in the number of queries, else None."""
-    if backend == "full":
-        return full_slice(attn)
-    if backend == "topk":
-        return topk_slice(attn)
-    return None
+def slice_fn(attn: nn.Module) -> Optional[SliceFn]:
+    """How to run a slice of queries over all keys: the backend's ``attend`` when its queries are
+    independent (``Attention.independent_queries``, e.g. full and top-k attention), else None."""
+    return attn.attend if getattr(attn, "independent_queries", False) else None
 
 
 class PassThrough(nn.Module):

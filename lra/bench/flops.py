@@ -2,14 +2,10 @@
 
 A multiply-add counts 2 FLOPs. Per head, for sequence length N, head dim D:
 
-full   forward 4 N^2 D (Q K^T and P V); backward 2x forward, so train = 3x forward.
-mita   (m landmarks, k keys per expert, one expert per query, shared expert on; attentions/mita.py)
-       landmark scores  L K^T           2 m N D   (under no_grad: no backward)
-       shared expert    softmax(L K^T) V  4 m N D
-       per query: gate q L^T 2 N m D, routed logits 2 N k D, mixing of the m shared values
-       2 N m D and of the k routed values 2 N k D: together 4 N (m + k) D
-       train = forward + 2x (forward - landmark scores).
-model  per token and layer: QKV 6 C^2, output projection 2 C^2, FFN 4 C F, plus the attention;
+attention  each backend's own count (``Attention.flops``: full 4 N^2 D forward, 3x that to train;
+           MiTA's landmark, shared and routed matmuls in attentions/mita.py); backends that do
+           not count theirs get no FLOP rate.
+model      per token and layer: QKV 6 C^2, output projection 2 C^2, FFN 4 C F, plus the attention;
        train = 3x forward (the optimizer step is negligible).
 Pooling, softmax, top-k selection, gathers and sorting are not counted: they are memory-bound.
 """
@@ -17,24 +13,16 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
-from attentions import build_config
-
-COUNTED = ("full", "mita")
+from attentions import AttentionError, build_config, get_attention
 
 
 def attention_flops(backend: str, n: int, d: int, options: Dict[str, Any]) -> Optional[Tuple[float, float]]:
-    """(forward, train) FLOPs of one head of ``backend`` at length n, or None if not counted."""
-    if backend == "full":
-        forward = 4.0 * n * n * d
-        return forward, 3.0 * forward
-    if backend == "mita":
-        cfg = build_config("mita", options)
-        m = min(cfg.landmarks, n)
-        k = min(cfg.experts_per_query * (cfg.topk // cfg.experts_per_query), n)
-        scores = 2.0 * m * n * d
-        forward = scores + 4.0 * m * n * d + 4.0 * n * (m + k) * d
-        return forward, forward + 2.0 * (forward - scores)
-    return None
+    """(forward, train) FLOPs of one head of ``backend`` at length n, or None if not counted (or the
+    backend is not registered in this process: a sweep record of a plugin read without its file)."""
+    try:
+        return get_attention(backend).flops(build_config(backend, options), n, d)
+    except AttentionError:
+        return None
 
 
 def point_flops(record: Dict[str, Any], point: Dict[str, Any]) -> Optional[Tuple[float, float]]:
@@ -65,7 +53,7 @@ def efficiency(record: Dict[str, Any]) -> Dict[str, Any]:
     rate = gemm.get("flops_per_s") if gemm.get("status") == "ok" else None
     rows = []
     for point in record["points"]:
-        flops = point_flops(record, point) if point["backend"] in COUNTED else None
+        flops = point_flops(record, point)
         if flops is None or point["status"] not in ("ok", "estimated"):
             continue
         row = {"backend": point["backend"], "length": point["length"], "estimated": point["estimated"]}

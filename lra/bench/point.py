@@ -71,7 +71,7 @@ def run_whole(
 def attention_point(spec: Dict[str, Any], device: torch.device, dtype: torch.dtype, deadline: float) -> Dict[str, Any]:
     attn = attention_module(spec, device, dtype)
     n, queries = spec["length"], spec["slice_queries"]
-    slicer = slice_fn(spec["backend"], attn)
+    slicer = slice_fn(attn)
     estimate = None
     if slicer is not None and spec["estimate"] != "never" and queries < n:
         raw = measure(attention_modes(attn, slicer, spec, queries, device, dtype), spec["warmup"],
@@ -87,7 +87,7 @@ def model_point(spec: Dict[str, Any], device: torch.device, dtype: torch.dtype, 
     n, queries, layers = spec["length"], spec["slice_queries"], spec["layers"]
     blocks = list(model.encoder.blocks)
     attn = blocks[0].attn
-    slicer = slice_fn(spec["backend"], attn)
+    slicer = slice_fn(attn)
     estimate = None
     if slicer is not None and spec["estimate"] != "never" and queries < n:
         sizes = {**spec, "head_dim": spec["width"] // spec["heads"]}

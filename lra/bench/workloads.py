@@ -4,8 +4,8 @@ Attention level: one call of a backend on q, k, v [B, H, N, D]; modes ``forward`
 mode) and ``train`` (forward + backward of a fixed random output gradient). Model level: the MiTA
 paper's speed setup, an LRA encoder (lra.model.LRAModel) on random tokens without padding; modes
 ``forward`` (one inference step) and ``train`` (forward, cross-entropy, backward, AdamW step).
-GEMM: one large matmul, the rate the hardware allows. On CUDA ``full`` runs on flash-attn when it
-is installed, else on SDPA restricted to its flash kernel; every backend gets the same dtype.
+GEMM: one large matmul, the rate the hardware allows. On CUDA ``full`` runs with flash=True
+(flash-attn when installed, else SDPA restricted to its flash kernel); every backend gets the same dtype.
 """
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attentions import build_attention
-from attentions.registry import config_fields
+from attentions import build_attention, build_config, get_attention
 
 from ..config import ModelConfig
 from ..model import LRAModel
@@ -26,60 +25,26 @@ VOCAB = 256
 CLASSES = 10
 
 
-def flash_attn_func() -> Optional[Callable[..., torch.Tensor]]:
-    """flash-attn's kernel when installed (pip install lra-suite[gpu]), imported only in a point's process."""
-    try:
-        from flash_attn import flash_attn_func as func
-    except ImportError:
-        return None
-    return func
-
-
-class FlashFull(nn.Module):
-    """Full attention on the fastest exact CUDA kernel: flash-attn, else SDPA's flash backend."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.flash = flash_attn_func()
-        self.kernel = "flash-attn" if self.flash is not None else "sdpa-flash"
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [B, H, S, D] over k, v [B, H, N, D] -> [B, H, S, D] (S may differ from N)."""
-        if self.flash is not None:
-            # flash-attn takes [B, N, H, D]; the transposed views keep the last dim contiguous
-            out = self.flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-            return out.transpose(1, 2)
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v)
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None
-    ) -> torch.Tensor:
-        return self.attend(q, k, v)
+def options_on(backend: str, options: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
+    """The backend's options on ``device``: the baseline, full attention, runs on a flash kernel on
+    CUDA (its ``flash`` option: flash-attn when installed, else SDPA's flash backend) unless the
+    sweep set it."""
+    if backend == "full" and device.type == "cuda":
+        return {"flash": True, **options}
+    return options
 
 
 def kernel_of(backend: str, device: torch.device, options: Optional[Dict[str, Any]] = None) -> str:
-    """Which implementation a backend runs on in this benchmark (for a backend with a ``kernel``
-    option, the grouped kernel its setting picks on this device)."""
-    if backend == "full":
-        return FlashFull().kernel if device.type == "cuda" else "sdpa-cpu"
-    if "kernel" in config_fields(backend):
-        from attentions.grouped_triton import grouped_attention_triton, pick_grouped
-
-        kernel = pick_grouped((options or {}).get("kernel", "auto"), device)
-        return f"attentions.{backend} ({'triton' if kernel is grouped_attention_triton else 'torch'} kernel)"
-    return f"attentions.{backend}"
+    """Which implementation a backend runs on in this benchmark (the backend's own answer)."""
+    options = options_on(backend, options or {}, device)
+    return get_attention(backend).implementation(build_config(backend, options), device)
 
 
 def attention_module(spec: Dict[str, Any], device: torch.device, dtype: torch.dtype) -> nn.Module:
     """The backend of the point, built with max_len = N (Linformer sizes its projections with it)."""
-    if spec["backend"] == "full" and device.type == "cuda":
-        return FlashFull()
     attn = build_attention(
         spec["backend"], num_heads=spec["heads"], head_dim=spec["head_dim"], max_len=spec["length"],
-        **spec["attn_options"],
+        **options_on(spec["backend"], spec["attn_options"], device),
     )
     return attn.to(device=device, dtype=dtype)
 
@@ -118,13 +83,10 @@ def build_model(spec: Dict[str, Any], device: torch.device) -> LRAModel:
         dropout=spec["dropout"],
     )
     model = LRAModel(
-        cfg, spec["backend"], spec["attn_options"], vocab_size=VOCAB, num_classes=CLASSES,
-        max_len=spec["length"], padded=spec.get("padded", False),
-    ).to(device)
-    if spec["backend"] == "full" and device.type == "cuda":
-        for block in model.encoder.blocks:
-            block.attn = FlashFull()
-    return model
+        cfg, spec["backend"], options_on(spec["backend"], spec["attn_options"], device), vocab_size=VOCAB,
+        num_classes=CLASSES, max_len=spec["length"], padded=spec.get("padded", False),
+    )
+    return model.to(device)
 
 
 def model_modes(model: LRAModel, spec: Dict[str, Any], device: torch.device, dtype: torch.dtype) -> Modes:

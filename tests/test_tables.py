@@ -336,3 +336,16 @@ def test_differences_from_full_are_marked_by_a_stated_rule(tmp_path: Path) -> No
     out = tmp_path / "one_tables"
     assert tables.main(["--runs", str(tmp_path / "one"), "--out", str(out), "--no-plots"]) == 0
     assert "Differences from full" not in (out / "accuracy.md").read_text()
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(tmp_path: Path) -> None:
+    """`lra-table | head -1`: every file is written, the status is 0, nothing on stderr but the notes."""
+    import subprocess
+    import sys
+
+    write_runs(tmp_path / "runs", RECORDS[:2])
+    command = (f"{sys.executable} -c 'from lra.tables.cli import entry; entry()' --runs {tmp_path / 'runs'} "
+               f"--out {tmp_path / 'tables'} --no-plots | head -c 10; exit ${{PIPESTATUS[0]}}")
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
+    assert done.returncode == 0 and "Traceback" not in done.stderr and "Error" not in done.stderr, done.stderr
+    assert len(list((tmp_path / "tables").glob("*.md"))) == 4

@@ -5,6 +5,7 @@ lra.bench.cli and lra.tables.cli); this module imports none of them.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, List, NoReturn, Optional
 
@@ -31,8 +32,10 @@ def guarded(prog: str, body: Callable[[], int]) -> int:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        # the reader went away (`lra-table | head`): not an error of ours, and nothing more to say
-        sys.stderr.close()
+        # the reader went away (`lra-table | head`): not an error of ours; stdout goes nowhere from
+        # now on, so that the interpreter's final flush does not complain either
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
         return 0
 
 

@@ -346,14 +346,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         for stem, tables in outputs.items():
             written += write_tables(out, stem, tables)
-            for table in tables:
-                print(markdown(table))
         if not args.no_plots and records:
             from .plots import plot_all
 
             written += plot_all(records, out, backend_order(r["attn"] for r in records), published_acc)
     except OSError as err:
         raise UserError(f"cannot write to {out}: {err.strerror or err}; choose another folder with --out")
+    # printed once every file is written: a reader that stops early (| head) cuts no file short
+    for tables in outputs.values():
+        for table in tables:
+            print(markdown(table))
     print(f"wrote {len(written)} files to {out}: {', '.join(sorted(p.name for p in written))}")
     return 0
 

@@ -198,6 +198,28 @@ class Battery:
             raise CheckFailed(f"output at real positions changed {what}; {hint}")
         return "padded queries, keys and values replaced by large noise"
 
+    def padding_gradient(self) -> str:
+        attn = self.build(self.dtype)
+        q, k, v = (x.requires_grad_() for x in make_qkv(self.sizes, self.dtype, self.seed))
+        real = self.mask[:, None, :, None]  # [B, 1, N, 1]
+        out = attn(q, k, v, self.mask)
+        # a random loss over the real outputs only: the contract leaves padded rows' outputs free
+        weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(self.seed + 3), dtype=torch.float64)
+        grads = torch.autograd.grad((out * weight.to(out.dtype) * real).sum(), (q, k, v), allow_unused=True)
+        leaks = []
+        for label, grad in zip(("queries", "keys", "values"), grads):
+            if grad is None:
+                continue
+            leaked = float(torch.where(real, 0.0, grad).abs().max() / grad.abs().max().clamp_min(1e-30))
+            # a non-finite gradient at padding counts as a leak
+            if not leaked <= TOLERANCE[self.dtype]:
+                leaks.append((label, leaked))
+        if leaks:
+            what = ", ".join(f"padded {label} ({leaked:.2g} of the largest gradient)" for label, leaked in leaks)
+            raise CheckFailed(f"the real outputs send gradient to {what}; padded positions must take no part in "
+                              "computing them, not even through a term worth zero")
+        return "the real outputs send none to padded queries, keys or values"
+
     def padded_vs_alone(self) -> str:
         attn = self.build(self.dtype)
         q, k, v = make_qkv(self.sizes, self.dtype, self.seed)
@@ -265,6 +287,7 @@ def check_backend(name: str, sizes: Optional[Sizes] = None, seed: int = 0) -> Re
             ("shapes and dtype kept", battery.shapes_and_dtype, False),
             ("forward and backward finite", battery.finite, False),
             ("padding invariance", battery.padding_invariance, True),
+            ("padding gets no gradient", battery.padding_gradient, True),
             ("padded batch vs unpadded runs", battery.padded_vs_alone, True),
             ("budget", battery.budget, False),
         ]

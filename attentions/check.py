@@ -3,13 +3,14 @@
 Each check answers PASS, FAIL with the reason, or SKIP (a mask check on a backend that declares
 ``supports_mask = False``). Sizes are small (B=3, H=2, N=64, D=16), the seed fixed, and the checks
 run in float64 when the backend runs in it (float32 otherwise), with relative tolerance 1e-9
-(float64) or 1e-5 (float32). The padded batch holds one full row and two shorter ones.
+(float64) or 1e-5 (float32). The padded batch holds one full row and two shorter ones. The tests
+run the same checks on the built-in backends, some with options other than their defaults.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -114,20 +115,23 @@ def output_problem(
 
 
 class Battery:
-    """The checks of one backend; ``build(dtype)`` gives a fresh module with the same weights each time."""
+    """The checks of one backend, built with its defaults or with ``overrides`` of its Config; each
+    method raises CheckFailed with the reason. ``build(dtype)`` gives a fresh module with the same
+    weights each time."""
 
-    def __init__(self, name: str, sizes: Sizes, seed: int) -> None:
+    def __init__(self, name: str, sizes: Sizes, seed: int, overrides: Optional[Dict[str, Any]] = None) -> None:
         self.name = name
         self.cls = get_attention(name)
         self.sizes = sizes
         self.seed = seed
+        self.overrides = dict(overrides or {})
         self.mask = padding_mask(sizes)
         self.dtype = torch.float32
 
     def build(self, dtype: torch.dtype) -> Attention:
         torch.manual_seed(self.seed)
         s = self.sizes
-        attn = build_attention(self.name, num_heads=s.heads, head_dim=s.head_dim, max_len=s.length)
+        attn = build_attention(self.name, num_heads=s.heads, head_dim=s.head_dim, max_len=s.length, **self.overrides)
         return attn.to(dtype).eval()
 
     def builds(self) -> str:

@@ -3,13 +3,14 @@
 Each check answers PASS, FAIL with the reason, or SKIP (a mask check on a backend that declares
 ``supports_mask = False``). Sizes are small (B=3, H=2, N=64, D=16), the seed fixed, and the checks
 run in float64 when the backend runs in it (float32 otherwise), with relative tolerance 1e-9
-(float64) or 1e-5 (float32). The padded batch holds one full row and two shorter ones.
+(float64) or 1e-5 (float32). The padded batch holds one full row and two shorter ones. The tests
+run the same checks on the built-in backends, some with options other than their defaults.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -114,20 +115,23 @@ def output_problem(
 
 
 class Battery:
-    """The checks of one backend; ``build(dtype)`` gives a fresh module with the same weights each time."""
+    """The checks of one backend, built with its defaults or with ``overrides`` of its Config; each
+    method raises CheckFailed with the reason. ``build(dtype)`` gives a fresh module with the same
+    weights each time."""
 
-    def __init__(self, name: str, sizes: Sizes, seed: int) -> None:
+    def __init__(self, name: str, sizes: Sizes, seed: int, overrides: Optional[Dict[str, Any]] = None) -> None:
         self.name = name
         self.cls = get_attention(name)
         self.sizes = sizes
         self.seed = seed
+        self.overrides = dict(overrides or {})
         self.mask = padding_mask(sizes)
         self.dtype = torch.float32
 
     def build(self, dtype: torch.dtype) -> Attention:
         torch.manual_seed(self.seed)
         s = self.sizes
-        attn = build_attention(self.name, num_heads=s.heads, head_dim=s.head_dim, max_len=s.length)
+        attn = build_attention(self.name, num_heads=s.heads, head_dim=s.head_dim, max_len=s.length, **self.overrides)
         return attn.to(dtype).eval()
 
     def builds(self) -> str:
@@ -198,6 +202,28 @@ class Battery:
             raise CheckFailed(f"output at real positions changed {what}; {hint}")
         return "padded queries, keys and values replaced by large noise"
 
+    def padding_gradient(self) -> str:
+        attn = self.build(self.dtype)
+        q, k, v = (x.requires_grad_() for x in make_qkv(self.sizes, self.dtype, self.seed))
+        real = self.mask[:, None, :, None]  # [B, 1, N, 1]
+        out = attn(q, k, v, self.mask)
+        # a random loss over the real outputs only: the contract leaves padded rows' outputs free
+        weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(self.seed + 3), dtype=torch.float64)
+        grads = torch.autograd.grad((out * weight.to(out.dtype) * real).sum(), (q, k, v), allow_unused=True)
+        leaks = []
+        for label, grad in zip(("queries", "keys", "values"), grads):
+            if grad is None:
+                continue
+            leaked = float(torch.where(real, 0.0, grad).abs().max() / grad.abs().max().clamp_min(1e-30))
+            # a non-finite gradient at padding counts as a leak
+            if not leaked <= TOLERANCE[self.dtype]:
+                leaks.append((label, leaked))
+        if leaks:
+            what = ", ".join(f"padded {label} ({leaked:.2g} of the largest gradient)" for label, leaked in leaks)
+            raise CheckFailed(f"the real outputs send gradient to {what}; padded positions must take no part in "
+                              "computing them, not even through a term worth zero")
+        return "the real outputs send none to padded queries, keys or values"
+
     def padded_vs_alone(self) -> str:
         attn = self.build(self.dtype)
         q, k, v = make_qkv(self.sizes, self.dtype, self.seed)
@@ -265,6 +291,7 @@ def check_backend(name: str, sizes: Optional[Sizes] = None, seed: int = 0) -> Re
             ("shapes and dtype kept", battery.shapes_and_dtype, False),
             ("forward and backward finite", battery.finite, False),
             ("padding invariance", battery.padding_invariance, True),
+            ("padding gets no gradient", battery.padding_gradient, True),
             ("padded batch vs unpadded runs", battery.padded_vs_alone, True),
             ("budget", battery.budget, False),
         ]

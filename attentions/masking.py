@@ -1,4 +1,5 @@
-"""Helpers that lay pooling bins and blocks over each sequence's own real tokens.
+"""Padding-mask helpers: which keys are real, and pooling bins and blocks laid over each sequence's
+own real tokens.
 
 Padding must never change what a sequence computes, so a backend that pools (MiTA's landmarks,
 Agent's agents) pools over the ``n`` real tokens of each sequence, not over the padded length.
@@ -25,6 +26,13 @@ def real_lengths(mask: Optional[torch.Tensor], batch: int, n: int, device: torch
     if bool((lengths == 0).any()):
         raise AttentionError("every sequence needs at least one real token; got a row of padding only")
     return lengths
+
+
+def real_key_mask(mask: Optional[torch.Tensor], q: torch.Tensor) -> torch.Tensor:
+    """[B, N] bool, True = real key: the padding mask, or all True without one (q: [B, H, N, D])."""
+    if mask is None:
+        return torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device)
+    return mask
 
 
 def adaptive_pool(x: torch.Tensor, bins: int) -> torch.Tensor:

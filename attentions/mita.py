@@ -23,7 +23,7 @@ import torch
 from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs, in_batch_chunks
 from .grouped import gather_rows, merge
 from .grouped_triton import check_kernel, kernel_name, pick_grouped
-from .masking import pool_real
+from .masking import pool_real, real_key_mask
 from .registry import register
 
 # routing scores [B, H, chunk, m] computed at once, in elements (bounds memory, not results)
@@ -45,13 +45,6 @@ class MiTAConfig:
     kernel: str = "auto"
 
 
-def _real_keys(mask: Optional[torch.Tensor], q: torch.Tensor) -> torch.Tensor:
-    """[B, N] bool, True = real key."""
-    if mask is None:
-        return torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device)
-    return mask
-
-
 def reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -64,7 +57,7 @@ def reference(
 ) -> torch.Tensor:
     """MiTA in five plain steps, every query gathering its own copy of its experts. [B, H, N, D]."""
     b, h, n, d = q.shape
-    real_keys = _real_keys(mask, q)[:, None, None, :]  # [B, 1, 1, N]
+    real_keys = real_key_mask(mask, q)[:, None, None, :]  # [B, 1, 1, N]
     keys = min(topk // experts_per_query, n)
     # 1. landmarks: q pooled over each sequence's real tokens
     marks, real_marks = pool_real(q, mask, landmarks)  # [B, H, m, D], [B, m]

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs, in_batch_chunks
 from .grouped import merge
 from .grouped_triton import check_kernel, kernel_name, pick_grouped
+from .masking import real_key_mask
 from .registry import register
 
 # block scores [B, H, chunk, N / block_size] computed at once, in elements (bounds memory, not results)
@@ -40,13 +41,6 @@ class MoBAConfig:
     kernel: str = "auto"
 
 
-def _real_keys(mask: Optional[torch.Tensor], q: torch.Tensor) -> torch.Tensor:
-    """[B, N] bool, True = real key."""
-    if mask is None:
-        return torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device)
-    return mask
-
-
 def choose_blocks(
     q: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor], block_size: int, topk: int, include_own: bool
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +52,7 @@ def choose_blocks(
     blocks = math.ceil(n / block_size)
     pad = blocks * block_size - n
     per_query = min(topk, blocks)
-    real = F.pad(_real_keys(mask, q), (0, pad)).to(k.dtype).view(b, 1, blocks, block_size)
+    real = F.pad(real_key_mask(mask, q), (0, pad)).to(k.dtype).view(b, 1, blocks, block_size)
     # the results are made whole before the loop and each chunk's gate is freed before the next: a
     # loop that kept small per-chunk results between gate-sized temporaries fragmented the heap,
     # and the resident memory grew by about one gate per chunk, O(N^2 / block_size) in all
@@ -98,7 +92,7 @@ def reference(
 ) -> torch.Tensor:
     """MoBA on the full [N, N] score matrix, keys outside the chosen blocks masked out."""
     b, h, n, d = q.shape
-    real_keys = _real_keys(mask, q)  # [B, N]
+    real_keys = real_key_mask(mask, q)  # [B, N]
     blocks = math.ceil(n / block_size)
     gate = q.new_empty(b, h, n, blocks)  # [B, H, N, blocks]
     for j in range(blocks):
@@ -167,7 +161,7 @@ class MoBAAttention(Attention):
         block_v = F.pad(v, (0, 0, 0, pad)).reshape(b * h * blocks, size, d)
         block_ok = None
         if mask is not None or pad:
-            real = F.pad(_real_keys(mask, q), (0, pad)).view(b, 1, blocks, size).expand(b, h, blocks, size)
+            real = F.pad(real_key_mask(mask, q), (0, pad)).view(b, 1, blocks, size).expand(b, h, blocks, size)
             block_ok = real.reshape(b * h * blocks, size)
         grouped_attention = pick_grouped(cfg.kernel, q.device)
         out, lse = grouped_attention(

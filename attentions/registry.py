@@ -151,16 +151,25 @@ def config_fields(name: str) -> Dict[str, Any]:
 
 
 def coerce(key: str, value: Any, kind: Any) -> Any:
-    """Check ``value`` against the annotated type; ints are accepted where floats are expected."""
-    origin = typing.get_origin(kind)
-    if origin is typing.Union:
+    """``value`` checked against the annotated type ``kind``; a wrong type is an error naming ``key``.
+
+    Optional[X] takes None; a float takes an int or a string that reads as a number ("3e-4": YAML
+    1.1 reads 3e-4, without a dot, as a string); a bool is never a number. Types other than int,
+    float, str and bool are not checked. lra's run configuration uses the same rules.
+    """
+    if typing.get_origin(kind) is typing.Union:
         options = typing.get_args(kind)
         if value is None and type(None) in options:
             return None
         kind = next(o for o in options if o is not type(None))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if kind in (int, float, str, bool) and (type(value) is not kind):
+    if kind is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if kind in (int, float, str, bool) and type(value) is not kind:
         raise AttentionError(f"{key} must be {kind.__name__}, got {value!r} ({type(value).__name__})")
     return value
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import yaml
 
 from attentions import AttentionError, build_config, list_attentions, origin
+from attentions.registry import coerce
 
 from .errors import UserError
 from .files import package_data
@@ -131,20 +132,6 @@ def read_yaml(path: Path) -> Dict[str, Any]:
     return data
 
 
-def _coerce(key: str, value: Any, kind: Any) -> Any:
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    # YAML 1.1 reads 3e-4 (no dot) as a string; accept it where a float is expected
-    if kind is float and isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if type(value) is not kind:
-        raise UserError(f"{key} must be {kind.__name__}, got {value!r} ({type(value).__name__})")
-    return value
-
-
 def _apply_section(cfg: RunConfig, name: str, values: Any, origin: str) -> None:
     if name == "attn":
         if not isinstance(values, dict):
@@ -160,7 +147,10 @@ def _apply_section(cfg: RunConfig, name: str, values: Any, origin: str) -> None:
     for key, value in values.items():
         if key not in hints:
             raise UserError(f"{origin}: unknown key {name}.{key}; valid: {', '.join(hints)}")
-        setattr(section, key, _coerce(f"{name}.{key}", value, hints[key]))
+        try:
+            setattr(section, key, coerce(f"{name}.{key}", value, hints[key]))
+        except AttentionError as err:
+            raise UserError(str(err)) from err
 
 
 def _apply_file(cfg: RunConfig, values: Dict[str, Any], origin: str, skip: tuple = ()) -> None:

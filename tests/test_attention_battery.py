@@ -2,7 +2,7 @@
 
 The backends are whatever ``list_attentions()`` returns, each built with its defaults at max_len=64, so
 a new backend is covered the moment it registers. Backends whose ``supports_mask`` is False skip the
-mask tests.
+mask tests. The padding checks are lra-check-attn's own (attentions/check.py), not rewritten here.
 """
 from __future__ import annotations
 
@@ -15,16 +15,12 @@ import torch
 
 from attentions import Attention, AttentionError, Taxonomy, build_attention, get_attention, list_attentions, register
 from attentions.base import SCALING_STRATEGIES
+from attentions.check import Battery, Sizes, real_lengths
 
 B, H, N, D = 2, 2, 64, 16
 NAMES = list_attentions()
 # real lengths of the padded rows: a full row, one past a block boundary, one shorter than most budgets
 LENGTHS = (N, 29, 7)
-TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out - ref).abs().max().detach() / ref.abs().max().detach().clamp_min(1e-30))
 
 
 def build(name: str) -> Attention:
@@ -81,37 +77,32 @@ def test_forward_backward_finite(name: str) -> None:
         assert tensor.grad is not None and bool(tensor.grad.isfinite().all()), f"non-finite gradient of {label}"
 
 
-@pytest.mark.parametrize("name", cases("-masked"))
+def padded_battery(name: str) -> Battery:
+    """lra-check-attn's battery (attentions/check.py) for ``name`` on the padded batch of real lengths
+    LENGTHS, in float64 where the backend runs in it."""
+    battery = Battery(name, Sizes(batch=len(LENGTHS), heads=H, length=N, head_dim=D), seed=0)
+    assert real_lengths(battery.sizes) == list(LENGTHS)
+    battery.pick_dtype()
+    return battery
+
+
+PADDED = cases("-lengths" + "-".join(map(str, LENGTHS)), batch=len(LENGTHS))
+
+
+@pytest.mark.parametrize("name", PADDED)
 def test_padding_is_invisible(name: str) -> None:
     skip_without_mask(name)
-    attn = build(name)
-    mask = make_mask(LENGTHS[:B])
-    real = mask[:, None, :, None]  # [B, 1, N, 1]
-    q, k, v = (x.requires_grad_() for x in make_qkv(B))
-    out = attn(q, k, v, mask)
-    # replace everything at padded positions with large random values
-    noise = make_qkv(B, seed=1)
-    noisy = [torch.where(real, x, 10 * n) for x, n in zip((q, k, v), noise)]
-    out_noisy = attn(*noisy, mask)
-    assert rel_err(out_noisy * real, out * real) < TOL[torch.float32]
-    # and to first order: real outputs send no gradient to padded positions
-    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)) * real
-    for label, g in zip("qkv", torch.autograd.grad((out * weight).sum(), (q, k, v))):
-        leaked = float(g.masked_select(~real).abs().max())
-        assert leaked <= 1e-6 * float(g.abs().max()), f"padded {label} gets gradient {leaked:.2e}"
+    battery = padded_battery(name)
+    # large noise at padded positions of q, k and v changes no real output
+    battery.padding_invariance()
+    # and to first order: the real outputs send no gradient to padded positions
+    battery.padding_gradient()
 
 
-@pytest.mark.parametrize("name", cases("-lengths" + "-".join(map(str, LENGTHS)), batch=len(LENGTHS)))
+@pytest.mark.parametrize("name", PADDED)
 def test_mixed_lengths_match_each_alone(name: str) -> None:
     skip_without_mask(name)
-    # one module for the batch and every lone run: backends with learned parameters (linformer) reuse them
-    attn = build(name)
-    q, k, v = make_qkv(len(LENGTHS))
-    out = attn(q, k, v, make_mask(LENGTHS))
-    for b, length in enumerate(LENGTHS):
-        alone = attn(q[b : b + 1, :, :length], k[b : b + 1, :, :length], v[b : b + 1, :, :length])
-        err = rel_err(out[b : b + 1, :, :length], alone)
-        assert err < TOL[torch.float32], f"row {b} (length {length}): relative error {err:.2e}"
+    padded_battery(name).padded_vs_alone()
 
 
 @pytest.mark.parametrize("name", NAMES)

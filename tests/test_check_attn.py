@@ -50,6 +50,9 @@ BROKEN: Dict[str, tuple] = {
     "nan-padded-rows": ("        real = torch.ones_like(q[:, 0, :, 0], dtype=torch.bool) if mask is None else mask\n"
                         f"        return {SDPA} * torch.where(real[:, None, :, None], 1.0, float('nan'))\n",
                         "forward and backward finite: FAIL", "at padded rows"),
+    # adds exactly zero, so every output is right, but the gradient of each real output reaches every key
+    "gradient-into-padding": (f"        return {SDPA} + (k - k.detach()).mean(2, keepdim=True)\n",
+                              "padding gets no gradient: FAIL", "the real outputs send gradient to padded keys"),
 }
 
 
@@ -72,7 +75,7 @@ def test_example_passes_every_check(capsys: pytest.CaptureFixture) -> None:
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("myattn (") and "float64" in lines[0]
     checks = [line.strip() for line in lines[1:-1]]
-    assert len(checks) == 8 and all(": PASS" in line for line in checks), checks
+    assert len(checks) == 9 and all(": PASS" in line for line in checks), checks
     assert any(line.startswith("padding invariance: PASS") for line in checks)
     assert any(line.startswith("padded batch vs unpadded runs: PASS") for line in checks)
 

@@ -4,9 +4,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
+from attentions import build_config, load_attention_module, registry
 from lra import config
 from lra.errors import UserError
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "my_attention.py"
 
 
 @pytest.fixture
@@ -127,6 +131,24 @@ def test_exponent_without_a_dot_is_a_number(configs: Path) -> None:
     assert config.resolve("listops", "full", "paper", ["train.lr=3e-4"]).train.lr == 3e-4
     (configs / "presets" / "exp.yaml").write_text("train: {lr: 2e-3}\n")
     assert config.resolve("listops", "full", "exp").train.lr == 2e-3
+
+
+def test_an_attention_option_written_3e_4_is_a_float(configs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the example backend's init_scale is a float; forgotten after the test
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_loaded_files", dict(registry._loaded_files))
+    load_attention_module(str(EXAMPLE))
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("attn: {init_scale: 3e-4}\n")
+    # YAML 1.1 reads 3e-4 (no dot) as a string: the backend's option takes it as the number, as train.lr does
+    assert yaml.safe_load(mine.read_text())["attn"]["init_scale"] == "3e-4"
+    cfg = config.resolve("listops", "myattn", "paper", configs=[str(mine)])
+    assert build_config("myattn", cfg.attn_options).init_scale == 3e-4
+    # a bool is never a number, and a word is not one either; the error names the key
+    for value, shown in [("true", "True"), ("fast", "'fast'")]:
+        mine.write_text(f"attn: {{init_scale: {value}}}\n")
+        with pytest.raises(UserError, match=rf"attn\.init_scale must be float, got {shown}"):
+            config.resolve("listops", "myattn", "paper", configs=[str(mine)])
 
 
 def test_a_per_task_preset_refuses_a_task_without_values(configs: Path) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from attentions import AttentionError, build_attention
 from attentions import grouped, mita
+from attentions.check import Battery, Sizes
 from attentions.mita import reference
 from conftest import lengths_mask, rel_err
 
@@ -150,23 +151,15 @@ SMALL = {"landmarks": 8, "topk": 8}
     ids=["m8-k8", "m8-k8-E2", "m8-k8-routed-only"],
 )
 def test_padding_never_changes_a_sequence(overrides: dict) -> None:
-    torch.manual_seed(1)
-    b, h, n, d = 3, 2, 48, 16
-    lengths = [48, 29, 5]
-    mask = lengths_mask(lengths, n)
-    attn = build_attention("mita", num_heads=h, head_dim=d, max_len=4096, **overrides)
-    q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64) for _ in range(3))
-    out = attn(q, k, v, mask)
-    assert torch.isfinite(out).all()
-    # large noise in the padded positions of q, k and v changes nothing at real positions
-    pad = ~mask[:, None, :, None]
-    noisy = [x.masked_fill(pad, 0) + 100 * torch.randn_like(x) * pad for x in (q, k, v)]
-    real = mask[:, None, :, None].expand_as(out)
-    assert rel_err(attn(*noisy, mask)[real], out[real]) < 1e-12
-    # each row of the mixed-length batch equals the sequence run alone at its own length
-    for row, length in enumerate(lengths):
-        alone = attn(q[row : row + 1, :, :length], k[row : row + 1, :, :length], v[row : row + 1, :, :length])
-        assert rel_err(out[row : row + 1, :, :length], alone) < 1e-10
+    # lra-check-attn's padding checks (attentions/check.py) at these options, in float64 on real lengths
+    # 64, 29 and 7: noise at padded q, k and v changes no real output and gets no gradient, and each row
+    # of the mixed-length batch equals the sequence run alone
+    battery = Battery("mita", Sizes(), seed=1, overrides=overrides)
+    assert battery.pick_dtype() == ""
+    battery.finite()
+    battery.padding_invariance()
+    battery.padding_gradient()
+    battery.padded_vs_alone()
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from typing import Any, Dict, List
 import pytest
 
 from attentions import list_attentions, registry
+from lra.bench import record as bench_record
 from lra.tables import cli as tables
 from lra.cli import guarded
 from lra.record import RECORD_KEYS, validate_record
@@ -151,7 +152,14 @@ def test_empty_runs_still_give_taxonomy_with_user_backend(tmp_path: Path, capsys
     assert "myattn" in (out / "taxonomy.csv").read_text()
 
 
-def test_throughput_table_from_sweep_record(tmp_path: Path) -> None:
+def sweep_record(points: List[Dict[str, Any]], **fields: Any) -> Dict[str, Any]:
+    """An lra-bench sweep record holding ``points``: every key the reader asks for, then ``fields``."""
+    record: Dict[str, Any] = {key: {} for key in bench_record.RECORD_KEYS}
+    record.update({"kind": "lra-bench", "level": "attention", "points": points, **fields})
+    return record
+
+
+def test_throughput_table_from_sweep_record(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     (tmp_path / "runs").mkdir()
     sweep = tmp_path / "throughput" / "cpu-sweep"
     sweep.mkdir(parents=True)
@@ -162,10 +170,12 @@ def test_throughput_table_from_sweep_record(tmp_path: Path) -> None:
         {"backend": "mita", "length": 1024, "status": "ok", "tokens_per_s": {"train": 80000.0}},
         {"backend": "mita", "length": 4096, "status": "estimated", "estimated": True, "tokens_per_s": {"train": 70000.0}},
     ]
-    (sweep / "record.json").write_text(json.dumps({"hardware": {"gpu": None, "cpu_model": "Test CPU"}, "points": points}))
+    (sweep / "record.json").write_text(json.dumps(sweep_record(points, hardware={"gpu": None, "cpu_model": "Test CPU"})))
     (sweep / "unrelated.json").write_text(json.dumps({"no": "points"}))
     md = (run_table(tmp_path) / "throughput.md").read_text()
     assert "Test CPU" in md
+    # any other JSON file is left out with lra-bench report's own one-line reason
+    assert f"lra-table: skipped {sweep / 'unrelated.json'} is not a lra-bench record" in capsys.readouterr().err
     assert row(md, "full") == ["full", "51.2k", "oom", "(oom)"]
     assert row(md, "mita") == ["mita", "80k", "~70k", "—"]
 
@@ -181,7 +191,7 @@ def test_model_sweep_speedups_sit_beside_the_published_ones(tmp_path: Path) -> N
          "tokens_per_s": {"train": 100.0, "forward": 400.0}},
         {"backend": "mita", "length": 262144, "status": "error"},
     ]
-    record = {"level": "model", "complete": False, "hardware": {"gpu": "Test GPU"}, "points": points}
+    record = sweep_record(points, level="model", complete=False, hardware={"gpu": "Test GPU"})
     (sweep / "record.json").write_text(json.dumps(record))
     md = (run_table(tmp_path) / "throughput.md").read_text()
     assert "Speedup over full attention, measured and published: model-gpu, Test GPU" in md

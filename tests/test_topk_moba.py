@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from attentions import AttentionError, build_attention, full, grouped, moba, topk
+from attentions.check import Battery, Sizes
 from conftest import lengths_mask, rel_err
 
 # (B, H, N, D, real lengths or None, Config overrides)
@@ -154,23 +155,15 @@ def test_moba_block_means_use_real_keys_only() -> None:
     ids=["topk-k8", "moba-bs8-top2", "moba-bs8-top2-no-own-block"],
 )
 def test_padding_never_changes_a_sequence(name: str, overrides: dict) -> None:
-    torch.manual_seed(1)
-    b, h, n, d = 3, 2, 48, 16
-    lengths = [48, 29, 5]
-    mask = lengths_mask(lengths, n)
-    attn = build_attention(name, num_heads=h, head_dim=d, max_len=n, **overrides)
-    q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64) for _ in range(3))
-    out = attn(q, k, v, mask)
-    assert torch.isfinite(out).all()
-    # large noise in the padded positions of q, k and v changes nothing at real positions
-    pad = ~mask[:, None, :, None]
-    noisy = [x.masked_fill(pad, 0) + 100 * torch.randn_like(x) * pad for x in (q, k, v)]
-    real = mask[:, None, :, None].expand_as(out)
-    assert rel_err(attn(*noisy, mask)[real], out[real]) < 1e-12
-    # each row of the mixed-length batch equals the sequence run alone at its own length
-    for row, length in enumerate(lengths):
-        alone = attn(q[row : row + 1, :, :length], k[row : row + 1, :, :length], v[row : row + 1, :, :length])
-        assert rel_err(out[row : row + 1, :, :length], alone) < 1e-10
+    # lra-check-attn's padding checks (attentions/check.py) at these options, in float64 on real lengths
+    # 64, 29 and 7: noise at padded q, k and v changes no real output and gets no gradient, and each row
+    # of the mixed-length batch equals the sequence run alone
+    battery = Battery(name, Sizes(), seed=1, overrides=overrides)
+    assert battery.pick_dtype() == ""
+    battery.finite()
+    battery.padding_invariance()
+    battery.padding_gradient()
+    battery.padded_vs_alone()
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from attentions import build_attention, list_attentions
 
 from ..machine import meminfo_gb
 from .flops import efficiency
+from .record import read_record
 from .report import markdown, plot, slopes
 from .sweep import Settings, sweep
 from ..cli import Parser, console
@@ -192,26 +193,6 @@ def write(record: Dict[str, Any], out: Path, with_plot: bool) -> Dict[str, Path]
         paths["plot"] = out / "throughput.png"
         plot(record, paths["plot"])
     return paths
-
-
-# what the report reads from a sweep record (lra/bench/sweep.py writes them all)
-RECORD_KEYS = ("kind", "level", "hardware", "versions", "settings", "load_average", "points")
-
-
-def read_record(path: str) -> Dict[str, Any]:
-    """A sweep record written by lra-bench; anything else is a one-line error naming the file."""
-    try:
-        record = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as err:
-        raise UserError(f"{path}: cannot read a lra-bench record ({err})")
-    if not isinstance(record, dict):
-        raise UserError(f"{path} holds a JSON {type(record).__name__}, not a lra-bench record (a JSON object)")
-    if record.get("kind") != "lra-bench":
-        raise UserError(f"{path} is not a lra-bench record (no \"kind\": \"lra-bench\")")
-    missing = [key for key in RECORD_KEYS if key not in record]
-    if missing:
-        raise UserError(f"{path}: the lra-bench record lacks {', '.join(missing)}; rerun the sweep that wrote it")
-    return record
 
 
 def rewrite(path: str, with_plot: bool) -> int:

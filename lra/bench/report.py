@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..machine import describe
+from ..tables.format import fmt_count
 from .flops import efficiency
 
 TIMED = ("ok", "estimated")
@@ -52,13 +53,6 @@ def fmt_length(n: int) -> str:
     if n >= 2**10 and n % 2**10 == 0:
         return f"{n // 2**10}K"
     return str(n)
-
-
-def fmt_count(x: float) -> str:
-    for size, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
-        if x >= size:
-            return f"{x / size:.3g}{suffix}"
-    return f"{x:.3g}"
 
 
 def fmt_time(s: float) -> str:

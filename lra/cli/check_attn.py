@@ -21,7 +21,8 @@ from ..errors import UserError
 def parser() -> Parser:
     p = Parser(
         prog="lra-check-attn",
-        description="Check that attention backends keep the contract: shapes, finite gradients, padding invariance, taxonomy.",
+        description="Check that attention backends keep the contract: shapes, finite gradients, padding invariance "
+                    "(of outputs and gradients), taxonomy.",
         epilog="example: lra-check-attn examples/my_attention.py",
     )
     p.add_argument("file", nargs="?", metavar="FILE.py", help="a Python file that registers backends with @register")

@@ -338,7 +338,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         if published_eff:
             outputs["efficiency"].append(published_efficiency_table(published_eff, shown(eff_file)))
     outputs["taxonomy"] = [taxonomy_table()]
-    throughput = throughput_tables(Path(args.throughput) if args.throughput else folders[0].parent / "throughput", published_eff)
+    throughput, not_records = throughput_tables(Path(args.throughput) if args.throughput else folders[0].parent / "throughput",
+                                                published_eff)
+    for why in not_records:
+        print(f"lra-table: skipped {why}", file=sys.stderr)
     if throughput:
         outputs["throughput"] = throughput
 

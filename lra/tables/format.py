@@ -110,6 +110,7 @@ def fmt_duration(seconds: float) -> str:
 
 
 def fmt_count(value: float) -> str:
+    """A count with an SI suffix and three significant digits: 51200 -> "51.2k", 3.9e6 -> "3.9M"."""
     for limit, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
         if value >= limit:
             return f"{value / limit:.3g}{suffix}"

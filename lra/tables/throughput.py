@@ -2,12 +2,14 @@
 speedup of each backend over full attention at model level beside the published speedups."""
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..bench.record import read_record
+from ..errors import UserError
 from .format import MISSING, Table, backend_order, fmt_count
+
 
 def throughput_table(path: Path, data: Dict[str, Any]) -> Optional[Table]:
     """Train tokens/s by backend and length from one lra-bench sweep record; None if it holds no points."""
@@ -100,20 +102,22 @@ def speedup_table(path: Path, data: Dict[str, Any], published: Dict[Tuple[str, i
     return table
 
 
-def throughput_tables(folder: Path, published: Optional[List[Dict[str, str]]] = None) -> List[Table]:
-    """One table per sweep record under ``folder`` (any ``*.json`` holding a "points" list), and one of
-    speedups over full attention per model-level record, beside the published speedups."""
+def throughput_tables(folder: Path, published: Optional[List[Dict[str, str]]] = None) -> Tuple[List[Table], List[str]]:
+    """One table per lra-bench sweep record under ``folder`` (its ``*.json`` files), and one of speedups
+    over full attention per model-level record, beside the published speedups; and why each other
+    ``*.json`` file there was left out (lra/bench/record.py's one-line reason)."""
     speedups = published_speedups(published or [])
-    tables = []
+    tables, left_out = [], []
     for path in sorted(folder.glob("**/*.json")) if folder.is_dir() else []:
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
+            data = read_record(path)
+        except UserError as err:
+            left_out.append(str(err))
             continue
-        table = throughput_table(path, data) if isinstance(data, dict) and isinstance(data.get("points"), list) else None
+        table = throughput_table(path, data)
         if table is not None:
             tables.append(table)
             speedup = speedup_table(path, data, speedups)
             if speedup is not None:
                 tables.append(speedup)
-    return tables
+    return tables, left_out

@@ -124,16 +124,10 @@ def outcome(folder: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("kill-data")
-
-
-@pytest.fixture(autouse=True)
-def torch_threads() -> None:
-    """train.threads=1 would outlive an in-process run: give the next test torch's setting back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+def data_dir(listops_data: Path) -> Path:
+    """The session's smoke ListOps set (conftest.listops_data); torch's thread count is restored after
+    each test by conftest.torch_threads (train.threads=1 would outlive an in-process run)."""
+    return listops_data
 
 
 @pytest.fixture(scope="module")

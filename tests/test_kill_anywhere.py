@@ -273,10 +273,13 @@ def test_sigkill_at_a_random_time_then_rerun_ends_identical(case: int, longer_re
     time.sleep(delay)
     child.send_signal(signal.SIGKILL)
     child.communicate()
-    if not list(tmp_path.glob("runs/*/record.json")):
+    finished = bool(list(tmp_path.glob("runs/*/record.json")))
+    if not finished:
         assert not run_in(tmp_path, monkeypatch, Killer(), (*LONGER, "data.data_dir=" + str(data_dir)))
     got = outcome(tmp_path)
-    got["files"] = [f for f in got["files"] if f != "checkpoint.pt" or not list(tmp_path.glob("runs/*/record.json"))]
+    if finished:
+        # killed after its record, before its checkpoint was removed: the only difference is that file
+        got["files"] = [f for f in got["files"] if f != "checkpoint.pt"]
     assert got == longer_reference
 
 

@@ -103,7 +103,8 @@ def test_a_killed_cache_write_leaves_nothing_behind(generated: Path) -> None:
 def test_a_run_on_a_changed_cache_trains_on_the_sources(generated: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture) -> None:
     """Issue 14: labels changed in the cache (same size) gave test accuracy 0.031 instead of 0.125."""
-    monkeypatch.chdir(tmp_path)  # lra-run reads ./data (generated)
+    # no --data-dir: lra-run must read ./data (generated), the cache_folder below finds its token cache there
+    monkeypatch.chdir(tmp_path)
     args = ["--task", "listops", "--attn", "full", "--preset", "smoke", "--quiet", "--set", "model.dim=16",
             "model.ffn_dim=32", "model.num_layers=1", "data.max_len=64", "train.steps=4", "train.eval_every=2"]
     assert lra_run.main([*args, "--out", "clean"]) == 0

@@ -1,9 +1,15 @@
 """Shared test helpers, and one rule for every test: no test reaches the network."""
 from __future__ import annotations
 
+import importlib
 import os
+import shutil
 import tarfile
+import tomllib
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Dict
 
 # Triton's interpreter runs the Triton kernels on CPU tensors (tests/test_grouped_triton.py). Triton
 # reads TRITON_INTERPRET once, when triton is first imported, so it is set here, before any test
@@ -13,13 +19,111 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from lra.cli import call  # noqa: E402
 from lra.config import DataConfig  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
 def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     """No test may reach the network: the hub fallback must see an offline machine."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+@pytest.fixture(autouse=True)
+def torch_threads() -> None:
+    """A run in this process sets torch's thread count (train.threads): give the next test torch's setting back."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backends a test loads from a file (--attn-module) are forgotten after it; the built-ins are loaded
+    first, into the real registry."""
+    from attentions import list_attentions, registry
+
+    list_attentions()
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_loaded_files", dict(registry._loaded_files))
+
+
+# ---- the command lines, in this process ----
+
+def console_scripts() -> Dict[str, str]:
+    """pyproject.toml's [project.scripts]: command name -> "module:function"."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["scripts"]
+
+
+def command_main(prog: str) -> Callable:
+    """The ``main(argv)`` of the module whose entry function the console script ``prog`` runs."""
+    module, _ = console_scripts()[prog].split(":")
+    return importlib.import_module(module).main
+
+
+@dataclass
+class Ran:
+    """What a command left: its exit status and what it wrote to stdout and stderr."""
+    code: int
+    out: str
+    err: str
+
+
+# the warnings a fresh interpreter does not print (Python's default filters)
+SILENT = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
+
+
+@pytest.fixture
+def cli(capfd: pytest.CaptureFixture) -> Callable[..., Ran]:
+    """``cli(prog, *args)``: run command ``prog`` in this process as its console script would
+    (lra.cli.call: user errors as one stderr line and status 2, argparse's exits as their status), in
+    the current folder. A warning it raises is counted as the stderr line a real process would print."""
+    def run(prog: str, *args: object) -> Ran:
+        main = command_main(prog)
+        capfd.readouterr()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            code = call(prog, main, [str(a) for a in args])
+        out, err = capfd.readouterr()
+        shown = [w for w in caught if not issubclass(w.category, SILENT)]
+        err += "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in shown)
+        return Ran(code, out, err)
+    return run
+
+
+# ---- the smoke preset's ListOps set, generated once ----
+
+def smoke_listops() -> tuple:
+    """The smoke preset's generated ListOps set: (its folder name, its size), e.g. ("listops_n256_seed0", 256)."""
+    from lra.config import resolve
+    from lra.tasks import get_task
+
+    data = resolve("listops", "full", "smoke").data
+    return get_task("listops").folder_name(data), data.size
+
+
+@pytest.fixture(scope="session")
+def listops_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A data folder holding the smoke preset's generated ListOps set, made once per session: for tests
+    that need some ListOps data (pass it as --data-dir or data.data_dir=). Runs add their token caches
+    to its .cache; nothing else may change it (copy_listops gives a folder of one's own)."""
+    from lra.tasks.listops_gen import generate_files
+
+    root = tmp_path_factory.mktemp("listops-data")
+    name, size = smoke_listops()
+    generate_files(root / name, size=size)
+    return root
+
+
+def copy_listops(listops_data: Path, to: Path) -> Path:
+    """``to``, a new data folder with a copy of the session's smoke ListOps set (no token caches)."""
+    name, _ = smoke_listops()
+    shutil.copytree(listops_data / name, to / name, ignore=shutil.ignore_patterns(".lock"))
+    return to
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:

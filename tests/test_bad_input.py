@@ -16,19 +16,17 @@ import torch
 
 import lra.config
 import lra.train
-from attentions import list_attentions, registry
-from lra.bench import cli as bench
-from lra.cli import data as lra_data, guarded, run as lra_run
+from lra.cli import run as lra_run
 
 TINY_SETS = ["model.dim=16", "model.ffn_dim=32", "model.num_layers=1", "data.max_len=128", "train.steps=12",
              "train.eval_every=6", "train.checkpoint_every=4", "train.log_every=2"]
 RUN_FOLDER = "runs/listops_full_smoke_seed0"
 
-# prepare(case folder, shared folder, monkeypatch): the files a case needs, made before the snapshot
+# prepare(case folder, shared data folder, monkeypatch): the files a case needs, made before the snapshot
 Prepare = Callable[[Path, Path, pytest.MonkeyPatch], None]
 
 
-def nothing(folder: Path, shared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def nothing(folder: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     return None
 
 
@@ -47,7 +45,7 @@ def run_args(*sets: str, extra: tuple = ()) -> List[str]:
             "--set", *TINY_SETS, "data.data_dir={data}", *sets, *extra]
 
 
-def killed_run(folder: Path, shared: Path, monkeypatch: pytest.MonkeyPatch, *sets: str) -> Path:
+def killed_run(folder: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch, *sets: str) -> Path:
     """An unfinished run in ``folder/runs``: killed before step 6, after its checkpoint at step 4."""
     class Killed(BaseException):
         pass
@@ -63,18 +61,18 @@ def killed_run(folder: Path, shared: Path, monkeypatch: pytest.MonkeyPatch, *set
         patch.chdir(folder)
         patch.setattr(lra.train, "lr_at", dies_at_6)
         with pytest.raises(Killed):
-            lra_run.main([a.replace("{data}", str(shared / "data")) for a in run_args(*sets)])
+            lra_run.main([a.replace("{data}", str(data_dir)) for a in run_args(*sets)])
     return folder / RUN_FOLDER
 
 
-def finished_run(folder: Path, shared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def finished_run(folder: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(folder)
-    assert lra_run.main([a.replace("{data}", str(shared / "data")) for a in run_args()]) == 0
+    assert lra_run.main([a.replace("{data}", str(data_dir)) for a in run_args()]) == 0
 
 
 def with_checkpoint(change: Callable[[Path], None]) -> Prepare:
-    def prepare(folder: Path, shared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-        change(killed_run(folder, shared, monkeypatch) / "checkpoint.pt")
+    def prepare(folder: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        change(killed_run(folder, data_dir, monkeypatch) / "checkpoint.pt")
     return prepare
 
 
@@ -85,14 +83,14 @@ def other_shape(path: Path) -> None:
 
 
 def with_run_file(name: str, text: str) -> Prepare:
-    def prepare(folder: Path, shared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-        (killed_run(folder, shared, monkeypatch) / name).write_text(text)
+    def prepare(folder: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        (killed_run(folder, data_dir, monkeypatch) / name).write_text(text)
     return prepare
 
 
-def held_by_another(folder: Path, shared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def held_by_another(folder: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The run folder's lock held (by this process, through a file of its own) as if by process 4242."""
-    lock_as_4242(killed_run(folder, shared, monkeypatch))
+    lock_as_4242(killed_run(folder, data_dir, monkeypatch))
 
 
 # the lock files a case holds, closed after it
@@ -111,7 +109,7 @@ def lock_as_4242(folder: Path) -> None:
     HELD.append(handle)
 
 
-def generation_in_use(folder: Path, shared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def generation_in_use(folder: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     lock_as_4242(folder / "gen" / "pathfinder32" / "curv_baseline")
 
 
@@ -119,7 +117,7 @@ LISTOPS_ROW = "( ( [MAX 2 9 ] ) )\t9"
 
 
 def listops_files(train_rows: List[str], binary_val: bool = False) -> Prepare:
-    def prepare(folder: Path, shared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def prepare(folder: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         data = folder / "mine" / "listops_n256_seed0"
         data.mkdir(parents=True)
         for split in ("train", "val", "test"):
@@ -131,7 +129,7 @@ def listops_files(train_rows: List[str], binary_val: bool = False) -> Prepare:
 
 
 def pathfinder_files(metadata: bytes, image: bytes) -> Prepare:
-    def prepare(folder: Path, shared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def prepare(folder: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         level = folder / "mine" / "pathfinder32" / "curv_contour_length_14"
         (level / "metadata").mkdir(parents=True)
         (level / "imgs" / "0").mkdir(parents=True)
@@ -159,13 +157,13 @@ class Broken(Attention):
 
 
 def plugin(name: str, body: str) -> Prepare:
-    def prepare(folder: Path, shared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def prepare(folder: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         (folder / "broken.py").write_text(PLUGIN.format(name=name, body=body))
     return prepare
 
 
 def attn_yaml(text: str) -> Prepare:
-    def prepare(folder: Path, shared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def prepare(folder: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         configs = folder / "configs"
         shutil.copytree(lra.config.CONFIG_DIR, configs)
         (configs / "attn" / "full.yaml").write_text(text)
@@ -174,7 +172,7 @@ def attn_yaml(text: str) -> Prepare:
 
 
 def bench_record(text: str) -> Prepare:
-    def prepare(folder: Path, shared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def prepare(folder: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         (folder / "sweep").mkdir()
         (folder / "sweep" / "record.json").write_text(text)
     return prepare
@@ -279,7 +277,6 @@ CASES: Dict[str, Case] = {
     "bench-record-garbage": Case(["report", "sweep/record.json"], "cannot read a lra-bench record",
                                  bench_record("\x00\x01garbage"), prog="lra-bench"),
 }
-MAINS = {"lra-run": lra_run.main, "lra-data": lra_data.main, "lra-bench": bench.main}
 
 
 def snapshot(*roots: Path) -> Dict[str, str]:
@@ -293,21 +290,17 @@ def snapshot(*roots: Path) -> Dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder whose data/ holds the tiny ListOps set and its token cache, made by one finished run."""
-    folder = tmp_path_factory.mktemp("bad-input")
+def data_dir(tmp_path_factory: pytest.TempPathFactory, listops_data: Path) -> Path:
+    """The session's smoke ListOps set (conftest.listops_data), with the token cache of TINY_SETS made
+    by one finished run: the cases read it, and must not change it."""
     with pytest.MonkeyPatch.context() as patch:
-        (folder / "setup").mkdir()
-        finished_run(folder / "setup", folder, patch)
-    return folder
+        finished_run(tmp_path_factory.mktemp("bad-input"), listops_data, patch)
+    return listops_data
 
 
 @pytest.fixture(autouse=True)
-def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Backends a case loads from a file are forgotten after it."""
-    list_attentions()
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    monkeypatch.setattr(registry, "_loaded_files", dict(registry._loaded_files))
+def release_locks(isolated_registry: None) -> None:
+    """The lock files a case took are let go after it (and backends it loaded from a file forgotten)."""
     yield
     while HELD:
         HELD.pop().close()
@@ -316,23 +309,17 @@ def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> None:
 # a warning would be a second stderr line
 @pytest.mark.filterwarnings("error")
 @pytest.mark.parametrize("name", CASES)
-def test_bad_input_is_one_line_exit_2_and_changes_nothing(name: str, shared: Path, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch,
-                                                          capsys: pytest.CaptureFixture) -> None:
+def test_bad_input_is_one_line_exit_2_and_changes_nothing(name: str, data_dir: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch, cli: Callable) -> None:
     case = CASES[name]
-    case.prepare(tmp_path, shared, monkeypatch)
+    case.prepare(tmp_path, data_dir, monkeypatch)
     monkeypatch.chdir(tmp_path)
-    argv = [a.replace("{data}", str(shared / "data")) for a in case.argv]
-    before = snapshot(tmp_path, shared / "data")
-    capsys.readouterr()
-    try:
-        code = guarded(case.prog, lambda: MAINS[case.prog](argv))
-    except SystemExit as exit:
-        # argparse's errors: Parser.error exits with status 2 after its one line
-        code = exit.code
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith(f"{case.prog}: error: ") and case.message in lines[0], err
-    assert "Traceback" not in err
-    assert snapshot(tmp_path, shared / "data") == before
+    argv = [a.replace("{data}", str(data_dir)) for a in case.argv]
+    before = snapshot(tmp_path, data_dir)
+    # argparse's errors too: Parser.error exits with status 2 after its one line
+    proc = cli(case.prog, *argv)
+    lines = proc.err.strip().splitlines()
+    assert proc.code == 2, proc.err
+    assert len(lines) == 1 and lines[0].startswith(f"{case.prog}: error: ") and case.message in lines[0], proc.err
+    assert "Traceback" not in proc.err
+    assert snapshot(tmp_path, data_dir) == before

@@ -3,30 +3,28 @@ sources with one notice on stderr, never trained on; an intact one is loaded wit
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Callable, Dict
 
 import numpy as np
 import pytest
 
-from conftest import fail_if_called
+from conftest import copy_listops, fail_if_called, smoke_listops
 from lra.cli import run as lra_run
 from lra.config import DataConfig
 from lra.tasks import get_task, listops
 from lra.tasks.base import SPLITS, cache_problem
-from lra.tasks.listops_gen import generate_files
 
 
-@pytest.fixture(scope="module")
-def generated(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("cache")
-    generate_files(root / "listops_n40_seed0", size=40)
-    return root
+@pytest.fixture
+def generated(listops_data: Path, tmp_path: Path) -> Path:
+    """./data of the test's own: a copy of the session's smoke ListOps set, no token cache yet."""
+    return copy_listops(listops_data, tmp_path / "data")
 
 
 def load(root: Path) -> Dict[str, list]:
-    splits = get_task("listops").load(DataConfig(data_dir=str(root), size=40, max_len=64, generate=False))
+    _, size = smoke_listops()
+    splits = get_task("listops").load(DataConfig(data_dir=str(root), size=size, max_len=64, generate=False))
     return {s: [np.array(getattr(splits[s], part)) for part in ("tokens", "lengths", "labels")] for s in SPLITS}
 
 
@@ -66,8 +64,7 @@ CORRUPTIONS: Dict[str, Callable[[Path], None]] = {
 @pytest.mark.parametrize("damage", CORRUPTIONS.values(), ids=CORRUPTIONS.keys())
 def test_a_damaged_cache_is_rebuilt_with_one_notice(damage: Callable[[Path], None], generated: Path, tmp_path: Path,
                                                     capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    root = tmp_path / "data"
-    shutil.copytree(generated, root)
+    root = generated
     clean = load(root)
     folder = cache_folder(root)
     damage(folder)
@@ -85,18 +82,16 @@ def test_a_damaged_cache_is_rebuilt_with_one_notice(damage: Callable[[Path], Non
     assert capsys.readouterr().err == ""
 
 
-def test_the_checksums_cover_every_file(generated: Path, tmp_path: Path) -> None:
-    shutil.copytree(generated, tmp_path / "data")
-    load(tmp_path / "data")
-    folder = cache_folder(tmp_path / "data")
+def test_the_checksums_cover_every_file(generated: Path) -> None:
+    load(generated)
+    folder = cache_folder(generated)
     sums = json.loads((folder / "checksums.json").read_text())
     assert sorted(sums) == sorted(p.name for p in folder.glob("*.npy")) and len(sums) == 9
 
 
-def test_a_killed_cache_write_leaves_nothing_behind(generated: Path, tmp_path: Path) -> None:
+def test_a_killed_cache_write_leaves_nothing_behind(generated: Path) -> None:
     """The temporary folder of a write killed midway is removed by the next write."""
-    root = tmp_path / "data"
-    shutil.copytree(generated, root)
+    root = generated
     leftover = root / ".cache" / ".listops-0123456789abcdef.k1ll3d"
     leftover.mkdir(parents=True)
     (leftover / "train.tokens.npy").write_bytes(b"\x93NUMPY half")
@@ -105,9 +100,10 @@ def test_a_killed_cache_write_leaves_nothing_behind(generated: Path, tmp_path: P
     assert [p.name for p in (root / ".cache").iterdir() if p.name != ".lock"] == [cache_folder(root).name]
 
 
-def test_a_run_on_a_changed_cache_trains_on_the_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_a_run_on_a_changed_cache_trains_on_the_sources(generated: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture) -> None:
     """Issue 14: labels changed in the cache (same size) gave test accuracy 0.031 instead of 0.125."""
+    # no --data-dir: lra-run must read ./data (generated), the cache_folder below finds its token cache there
     monkeypatch.chdir(tmp_path)
     args = ["--task", "listops", "--attn", "full", "--preset", "smoke", "--quiet", "--set", "model.dim=16",
             "model.ffn_dim=32", "model.num_layers=1", "data.max_len=64", "train.steps=4", "train.eval_every=2"]

@@ -3,14 +3,11 @@ and the example trains through lra-run --attn-module."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Dict
 
 import pytest
 
-from attentions import list_attentions, registry
 from lra.cli.check_attn import main
 from lra.cli import guarded
 from lra.record import validate_record
@@ -56,12 +53,8 @@ BROKEN: Dict[str, tuple] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Backends a test loads from a file are forgotten after it (built-ins are loaded first, into the real registry)."""
-    list_attentions()
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    monkeypatch.setattr(registry, "_loaded_files", dict(registry._loaded_files))
+# backends a test loads from a file are forgotten after it
+pytestmark = pytest.mark.usefixtures("isolated_registry")
 
 
 def backend_file(folder: Path, name: str, body: str, supports_mask: bool = True) -> Path:
@@ -127,19 +120,18 @@ def test_bad_input_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixt
     assert len(err) == 1 and err[0].startswith("lra-check-attn: error:") and message in err[0], err
 
 
-def test_example_trains_through_lra_run(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-c", "from lra.cli.run import entry; entry()", "--attn-module", str(EXAMPLE),
-           "--attn", "myattn", "--task", "listops", "--preset", "smoke", "--set", "train.steps=2", "train.eval_every=1",
-           "--out", "runs", "--quiet"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+def test_example_trains_through_lra_run(tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch, listops_data: Path) -> None:
+    # on the session's smoke ListOps set (generation into a data folder: tests/test_cli.py's smoke run;
+    # ./data as the default folder: tests/test_cache.py's run on a changed cache)
+    monkeypatch.chdir(tmp_path)
+    proc = cli("lra-run", "--attn-module", EXAMPLE, "--attn", "myattn", "--task", "listops", "--preset", "smoke",
+               "--data-dir", listops_data, "--set", "train.steps=2", "train.eval_every=1", "--out", "runs", "--quiet")
+    assert proc.code == 0, proc.err
     [path] = list((tmp_path / "runs").glob("*/record.json"))
     record = json.loads(path.read_text())
     validate_record(record)
     assert record["status"] == "completed" and record["attn"] == "myattn" and record["steps"] == 2
     assert record["attn_budget"] == "N" and 0.0 <= record["test_acc"] <= 1.0
-    # the tiny ListOps set was generated inside the working folder
-    assert list((tmp_path / "data").glob("listops*/basic_train.tsv"))
 
 
 def test_a_backend_without_taxonomy_fails_alone_in_its_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -1,9 +1,12 @@
-"""lra-run and lra-data from the command line: a smoke run writes a valid record; bad input is one line, exit 2."""
+"""lra-run and lra-data from the command line: a smoke run writes a valid record; bad input is one line, exit 2.
+Run in this process through the commands' entry functions (conftest.cli); one case per console script in a
+fresh interpreter."""
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -12,27 +15,24 @@ from pathlib import Path
 import pytest
 
 from attentions import list_attentions
+from conftest import console_scripts, copy_listops, smoke_listops
 from lra.cli import data as lra_data, guarded, run as lra_run
 from lra.record import validate_record
 
 
-def run(args: list, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-c", "from lra.cli.run import entry; entry()", *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-
-
-def test_smoke_run_writes_a_valid_record(tmp_path: Path) -> None:
+def test_smoke_run_writes_a_valid_record(tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch) -> None:
     """Also issue 17: by default the record lands in ./runs, where the last line says; a --data-dir of
     one's own gets its ListOps set generated as ./data does; the generated files are world-readable
     (umask permitting); --quiet leaves stderr empty."""
     (tmp_path / "mydata").mkdir()
-    proc = run(["--task", "listops", "--attn", "full", "--preset", "smoke", "--data-dir", "mydata", "--quiet",
-                "--set", "train.steps=4", "train.eval_every=2"], tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stderr == ""
+    monkeypatch.chdir(tmp_path)
+    proc = cli("lra-run", "--task", "listops", "--attn", "full", "--preset", "smoke", "--data-dir", "mydata", "--quiet",
+               "--set", "train.steps=4", "train.eval_every=2")
+    assert proc.code == 0, proc.err
+    assert proc.err == ""
     records = list((tmp_path / "runs").glob("*/record.json"))
     assert len(records) == 1
-    assert proc.stdout.strip().endswith("record: runs/listops_full_smoke_seed0/record.json")
+    assert proc.out.strip().endswith("record: runs/listops_full_smoke_seed0/record.json")
     assert records[0] == tmp_path / "runs" / "listops_full_smoke_seed0" / "record.json"
     generated = tmp_path / "mydata" / "listops_n256_seed0" / "basic_train.tsv"
     umask = os.umask(0)
@@ -66,21 +66,65 @@ BAD = {
 
 
 @pytest.mark.parametrize("args, message", BAD.values(), ids=BAD.keys())
-def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path: Path, args: list, message: str) -> None:
+def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path: Path, args: list, message: str, cli,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "empty").mkdir()
-    proc = run([*args, "--out", "runs"], tmp_path)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert not list(tmp_path.glob("runs/*/record.json"))
+    monkeypatch.chdir(tmp_path)
+    proc = cli("lra-run", *args, "--out", "runs")
+    assert proc.code == 2
+    lines = proc.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lra-run: error: ") and message in lines[0], proc.err
+    assert "Traceback" not in proc.err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["empty"]
 
 
-def test_lra_data_generate_writes_official_files(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-c", "from lra.cli.data import entry; entry()",
-           "generate", "listops", "--size", "40", "--data-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+# a bad argument of each command
+CONSOLE_BAD = {
+    "lra-run": (["--task", "listopz", "--attn", "full"], "unknown task 'listopz'; known: listops"),
+    "lra-data": (["generate", "listops", "--size", "-5"], "--size must be 0"),
+    "lra-bench": (["attention", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    "lra-table": (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    "lra-check-attn": (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+}
+
+
+def one_error_line(prog: str, message: str, err: str) -> None:
+    assert err.startswith(f"{prog}: error: ") and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("prog", console_scripts())
+def test_console_script_entry_bad_input_is_one_line_exit_2(prog: str, tmp_path: Path, capfd: pytest.CaptureFixture,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The function each console script of pyproject.toml runs: sys.argv in, exit status out."""
+    import importlib
+
+    module, function = console_scripts()[prog].split(":")
+    args, message = CONSOLE_BAD[prog]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [prog, *args])
+    with pytest.raises(SystemExit) as exit_:
+        getattr(importlib.import_module(module), function)()
+    assert exit_.value.code == 2
+    out, err = capfd.readouterr()
+    one_error_line(prog, message, err)
+    assert out == "" and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("prog", ["lra-run", "lra-data"])
+def test_console_script_in_a_fresh_interpreter_bad_input_is_one_line_exit_2(prog: str, tmp_path: Path) -> None:
+    """End to end: in its own interpreter, no traceback (every other command-line test runs in this process)."""
+    module, function = console_scripts()[prog].split(":")
+    args, message = CONSOLE_BAD[prog]
+    cmd = [sys.executable, "-c", f"from {module} import {function}; {function}()", *args]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    one_error_line(prog, message, proc.stderr)
+    assert proc.stdout == "" and not list(tmp_path.iterdir())
+
+
+def test_lra_data_generate_writes_official_files(tmp_path: Path, cli) -> None:
+    proc = cli("lra-data", "generate", "listops", "--size", "40", "--data-dir", tmp_path)
+    assert proc.code == 0, proc.err
     folder = tmp_path / "listops_n40_seed0"
     lines = (folder / "basic_train.tsv").read_text().splitlines()
     assert lines[0] == "Source\tTarget" and len(lines) == 41
@@ -103,6 +147,8 @@ def test_lra_data_generate_rerun_removes_what_a_killed_write_left(tmp_path: Path
 
     with monkeypatch.context() as patch:
         patch.setattr(listops_gen, "write_split", interrupted)
+        # the rows are never written: any will do (a real generation takes seconds)
+        patch.setattr(listops_gen, "generate", lambda num_samples, **kwargs: [("[MAX 1 ]", 1)] * num_samples)
         assert guarded("lra-data", lambda: lra_data.main(["generate", "listops", "--size", "40", "--data-dir", str(tmp_path)])) == 130
     assert lra_data.main(["generate", "listops", "--size", "40", "--data-dir", str(tmp_path)]) == 0
     names = sorted(p.name for p in folder.iterdir())
@@ -110,37 +156,32 @@ def test_lra_data_generate_rerun_removes_what_a_killed_write_left(tmp_path: Path
     assert len((folder / "basic_train.tsv").read_text().splitlines()) == 41
 
 
-@pytest.fixture(scope="module")
-def smoke_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One folder whose ./data holds the smoke preset's generated ListOps set, shared by the runs."""
-    return tmp_path_factory.mktemp("smoke_all")
-
-
 @pytest.mark.parametrize("attn", list_attentions())
-def test_every_backend_trains_listops_smoke_through_lra_run(
-    attn: str, smoke_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.chdir(smoke_dir)
-    out = smoke_dir / f"runs-{attn}"
+def test_every_backend_trains_listops_smoke_through_lra_run(attn: str, listops_data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "runs"
     code = lra_run.main(["--task", "listops", "--attn", attn, "--preset", "smoke", "--out", str(out), "--quiet",
-                    "--set", "train.steps=3", "train.eval_every=3", "train.test_batches=1"])
+                         "--data-dir", str(listops_data),
+                         "--set", "train.steps=3", "train.eval_every=3", "train.test_batches=1"])
     assert code == 0
     record = json.loads(next(out.glob("*/record.json")).read_text())
     assert record["attn"] == attn and record["status"] == "completed" and record["steps"] == 3
     assert record["final_train_loss"] is not None and math.isfinite(record["final_train_loss"])
 
 
-def test_lra_data_check_lists_every_generated_set_with_its_size(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_lra_data_check_lists_every_generated_set_with_its_size(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                               listops_data: Path) -> None:
     """Issue 17: ListOps was reported MISSING right after training on a listops_n<size>_seed<seed> set."""
-    for size, seed in ((40, 1), (40, 0)):
-        assert lra_data.main(["generate", "listops", "--size", str(size), "--seed", str(seed), "--data-dir", str(tmp_path)]) == 0
+    name, size = smoke_listops()
+    copy_listops(listops_data, tmp_path)
+    # a second set, of seed 1 (its rows do not matter here)
+    shutil.copytree(tmp_path / name, tmp_path / name.replace("_seed0", "_seed1"))
     capsys.readouterr()
     assert lra_data.main(["check", "--data-dir", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("listops"))
-    assert lines[at].split() == ["listops", "present", str(tmp_path / "listops_n40_seed0"), "(train", "40", "/", "val",
-                                 "32", "/", "test", "32)"]
-    assert lines[at + 1].split()[:2] == ["present", str(tmp_path / "listops_n40_seed1")]
+    assert lines[at].split() == ["listops", "present", str(tmp_path / f"listops_n{size}_seed0"), "(train", str(size),
+                                 "/", "val", "32", "/", "test", "32)"]
+    assert lines[at + 1].split()[:2] == ["present", str(tmp_path / f"listops_n{size}_seed1")]
     assert "no set of the official size (preset paper) yet" in lines[at + 2]
     assert lines[at + 3].startswith("text ")
 
@@ -187,12 +228,10 @@ class Maskless(Attention):
 """
 
 
-def test_lra_run_warns_of_a_backend_that_fails_the_mask_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from attentions import load_attention_module, registry
+@pytest.mark.usefixtures("isolated_registry")
+def test_lra_run_warns_of_a_backend_that_fails_the_mask_check(tmp_path: Path) -> None:
+    from attentions import load_attention_module
 
-    list_attentions()
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    monkeypatch.setattr(registry, "_loaded_files", dict(registry._loaded_files))
     (tmp_path / "maskless.py").write_text(MASK_IGNORING)
     load_attention_module(str(tmp_path / "maskless.py"))
     warning = lra_run.mask_warning("maskless")

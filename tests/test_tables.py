@@ -9,7 +9,6 @@ from typing import Any, Dict, List
 
 import pytest
 
-from attentions import list_attentions, registry
 from lra.bench import record as bench_record
 from lra.tables import cli as tables
 from lra.cli import guarded
@@ -19,12 +18,8 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "my_attention.py"
 FIVE = ("listops", "text", "retrieval", "image", "pathfinder")
 
 
-@pytest.fixture(autouse=True)
-def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Backends a test loads from a file are forgotten after it (built-ins are loaded first, into the real registry)."""
-    list_attentions()
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    monkeypatch.setattr(registry, "_loaded_files", dict(registry._loaded_files))
+# backends a test loads from a file (--attn-module) are forgotten after it
+pytestmark = pytest.mark.usefixtures("isolated_registry")
 
 
 def make_record(task: str, attn: str, seed: int, test_acc: float, status: str = "completed",

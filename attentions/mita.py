@@ -85,20 +85,36 @@ def reference(
     return weights[..., :landmarks] @ shared_values + (weights[..., landmarks:, None] * expert_v).sum(-2)
 
 
-def build_experts(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], landmarks: int, keys: int
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Steps 1-3: landmarks [B, H, m, D], real landmarks [B, m], each landmark's key index
-    [B, H, m, keys] and which of those are real keys [B, H, m, keys], shared values [B, H, m, D]."""
+def landmark_scores(
+    q: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor], landmarks: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 1 and the scores of step 2: landmarks [B, H, m, D], real landmarks [B, m] and each
+    landmark's scaled key scores [B, H, m, N] (padded keys -inf)."""
     marks, real_marks = pool_real(q, mask, landmarks)
     # k transposed into a contiguous [B, H, D, N] copy: a matmul against a transposed view is ~5x
     # slower on the CPU, and the backward's d k comes back through the copy
     scores = (marks / math.sqrt(q.shape[-1])) @ k.transpose(-1, -2).contiguous()  # [B, H, m, N]
     if mask is not None:
         scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+    return marks, real_marks, scores
+
+
+def top_keys(scores: torch.Tensor, keys: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The choice of step 2: each landmark's ``keys`` best keys [B, H, m, keys] (in no order) and
+    which of them are real keys."""
     top, index = scores.detach().topk(keys, dim=-1, sorted=False)  # [B, H, m, keys]
+    return index, torch.isfinite(top)
+
+
+def build_experts(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], landmarks: int, keys: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 1-3: landmarks [B, H, m, D], real landmarks [B, m], each landmark's key index
+    [B, H, m, keys] and which of those are real keys [B, H, m, keys], shared values [B, H, m, D]."""
+    marks, real_marks, scores = landmark_scores(q, k, mask, landmarks)
+    index, key_ok = top_keys(scores, keys)
     shared_values = scores.softmax(dim=-1) @ v  # [B, H, m, D]
-    return marks, real_marks, index, torch.isfinite(top), shared_values
+    return marks, real_marks, index, key_ok, shared_values
 
 
 def route(q: torch.Tensor, marks: torch.Tensor, real_marks: torch.Tensor, per_query: int) -> torch.Tensor:
@@ -183,6 +199,20 @@ class MiTAAttention(Attention):
         if not cfg.shared_expert:
             return f"k = {routed}"
         return f"m + k = {cfg.landmarks + routed}"
+
+    @torch.no_grad()
+    def selected_keys(
+        self, q: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The keys each landmark selects into its routed expert, as the forward selects them (steps
+        1-2, the same functions): key positions [B, H, m, keys] (in no order) and which selections
+        are real [B, H, m, keys] (a real key chosen by a real landmark; a sequence with fewer real
+        tokens than m or k leaves the rest False). keys = min(topk // experts_per_query, N)."""
+        check_inputs(q, k, k, mask)
+        keys = min(self.cfg.topk // self.cfg.experts_per_query, q.shape[2])
+        _, real_marks, scores = landmark_scores(q, k, mask, self.cfg.landmarks)
+        index, key_ok = top_keys(scores, keys)
+        return index, key_ok & real_marks[:, None, :, None]
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None

@@ -65,7 +65,10 @@ BUSY = "{folder} is in use by another lra-run (pid {pid}); wait for it to end or
 
 
 def run_name(cfg: RunConfig) -> str:
-    return f"{cfg.task}_{cfg.attn}_{cfg.preset}_seed{cfg.seed}"
+    """``<task>_<attn>_<preset>_seed<seed>``, and ``_from-<source folder>`` for a run started from
+    another run's weights (--init-from)."""
+    base = f"{cfg.task}_{cfg.attn}_{cfg.preset}_seed{cfg.seed}"
+    return f"{base}_from-{Path(cfg.init_from).name}" if cfg.init_from else base
 
 
 def read_config(path: Path) -> Dict[str, Any]:
@@ -82,7 +85,9 @@ def read_config(path: Path) -> Dict[str, Any]:
 
 
 def same_run(saved: Dict[str, Any], cfg: RunConfig) -> bool:
-    """Whether a saved config is this run's (``out`` aside: a folder may be moved, or named as DIR/)."""
+    """Whether a saved config is this run's (``out`` aside: a folder may be moved, or named as DIR/). A key
+    the saved config lacks (written before the key existed) counts as its default."""
+    saved = {**RunConfig().to_dict(), **saved}
     return {k: v for k, v in saved.items() if k != "out"} == {k: v for k, v in cfg.to_dict().items() if k != "out"}
 
 

@@ -105,6 +105,9 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     # the backend's own hyperparameters (validated against its Config dataclass)
     attn_options: Dict[str, Any] = field(default_factory=dict)
+    # the run folder whose best weights this run starts from (lra-run --init-from; "" = a fresh
+    # initialisation). Part of the run's identity: such a run never resumes or replaces a plain one
+    init_from: str = ""
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -257,6 +260,24 @@ def resolve(
     return cfg
 
 
+def from_saved(saved: Dict[str, Any], origin: str) -> RunConfig:
+    """The RunConfig a run folder's config.json holds (``origin`` names the file in errors); keys a
+    later version added take their defaults, unknown keys and wrong types are errors."""
+    cfg = RunConfig()
+    hints = typing.get_type_hints(RunConfig)
+    for key, value in saved.items():
+        if key in SECTIONS:
+            _apply_section(cfg, key, value, origin)
+        elif key == "attn_options":
+            _apply_section(cfg, "attn", value, origin)
+        elif key in hints:
+            setattr(cfg, key, _coerce(key, value, hints[key]))
+        else:
+            raise UserError(f"{origin}: unknown key {key!r}; valid: {', '.join(f.name for f in dataclasses.fields(RunConfig))}")
+    validate(cfg)
+    return cfg
+
+
 def _finite(v: float) -> bool:
     return isinstance(v, int) or math.isfinite(v)
 
@@ -277,7 +298,7 @@ RANGES: List[Tuple[str, Callable[[Any], bool], str]] = [
     ("model.num_heads", _at_least(1), "at least 1"),
     ("model.ffn_dim", _at_least(1), "at least 1"),
     ("model.dropout", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
-    ("train.steps", _at_least(1), "at least 1"),
+    ("train.steps", _at_least(0), "0 (evaluate the initial weights, no training) or more"),
     ("train.batch_size", _at_least(1), "at least 1"),
     ("train.lr", _positive, "a positive, finite number"),
     ("train.weight_decay", _at_least(0), "0 or more, finite"),

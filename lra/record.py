@@ -74,6 +74,10 @@ class Record:
     # the machine's 1, 5 and 15 minute load averages when training ended (the run's own threads
     # included); added after the first records, which lack it
     load_average: Optional[List[float]] = None
+    # the run whose best weights this one started from (lra-run --init-from; None = a fresh start):
+    # its folder name ("run"), "attn", "attn_budget", "attn_options", "test_acc", and the tensors
+    # "loaded" (a count) and left "new" (their names); added later, older records lack it
+    init_from: Optional[Dict[str, Any]] = None
     schema: int = SCHEMA_VERSION
 
     def to_dict(self) -> Dict[str, Any]:

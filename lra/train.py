@@ -108,6 +108,11 @@ def restore_or_start(run: Run, started_at: str) -> TrainState:
     if saved is None:
         torch.manual_seed(run.cfg.seed * 1000 + run.d.rank + 1)
         state = TrainState(started_at=started_at)
+        # --init-from: another run's best weights, on a fresh start only (a resume has its own)
+        if run.init is not None:
+            run.init.apply(run.model)
+            if run.d.main:
+                print(f"lra-run: {run.init.summary()}", flush=True)
     else:
         ckpt.restore_weights(path, saved, run.model, run.optimizer)
         state = TrainState(**saved["state"])
@@ -145,6 +150,9 @@ def loop(run: Run, state: TrainState, quiet: bool) -> Tuple[str, str]:
     tc, d = run.cfg.train, run.d
     bar = tqdm(total=tc.steps, initial=state.step, desc=f"{run.cfg.task}/{run.cfg.attn}", disable=quiet or not d.main)
     try:
+        # train.steps = 0: the initial weights (--init-from's, say) are evaluated, as if best at step 0
+        if tc.steps == 0:
+            validate(run, state)
         with StopSignals() as stop:
             while state.step < tc.steps:
                 loss = train_step(run, state)
@@ -207,16 +215,23 @@ def after_step(run: Run, state: TrainState, loss: float, bar: tqdm) -> None:
         if run.log is not None:
             ckpt.append_metric(run.log, {"step": step, "loss": state.last_loss, "lr": run.optimizer.param_groups[0]["lr"]})
     if step % tc.eval_every == 0 or step == tc.steps:
-        t1 = time.perf_counter()
-        acc, val_loss = evaluate(run.net, run.splits["val"], tc.batch_size, tc.eval_batches, run.device, run.d, run.bf16)
-        state.eval_time += time.perf_counter() - t1
-        if acc > state.best_acc:
-            state.best_acc, state.best_step, state.best_model = acc, step, copy.deepcopy(run.model.state_dict())
-        if run.log is not None:
-            ckpt.append_metric(run.log, {"step": step, "val_acc": acc, "val_loss": val_loss})
+        acc = validate(run, state)
         bar.set_postfix(loss=f"{loss:.3f}", val=f"{acc:.3f}", tok_s=f"{state.tokens / state.train_time:.0f}")
     if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.steps:
         save(run, state)
+
+
+def validate(run: Run, state: TrainState) -> float:
+    """Accuracy on the validation split, logged; the weights kept when they are the best so far."""
+    tc, step = run.cfg.train, state.step
+    t1 = time.perf_counter()
+    acc, val_loss = evaluate(run.net, run.splits["val"], tc.batch_size, tc.eval_batches, run.device, run.d, run.bf16)
+    state.eval_time += time.perf_counter() - t1
+    if acc > state.best_acc:
+        state.best_acc, state.best_step, state.best_model = acc, step, copy.deepcopy(run.model.state_dict())
+    if run.log is not None:
+        ckpt.append_metric(run.log, {"step": step, "val_acc": acc, "val_loss": val_loss})
+    return acc
 
 
 def save(run: Run, state: TrainState) -> None:
@@ -287,6 +302,7 @@ def finish(run: Run, state: TrainState, status: str, message: str) -> Record:
         params=sum(p.numel() for p in run.model.parameters() if p.requires_grad),
         **environment(run.device), world_size=run.d.world_size, precision="bf16" if run.bf16 else "fp32",
         started_at=state.started_at, finished_at=now(), message=message, load_average=load,
+        init_from=None if run.init is None else run.init.record(),
     )
     if run.d.main:
         if status == "completed":

@@ -17,6 +17,7 @@ from . import distributed
 from .augment import check_augment
 from .config import RunConfig
 from .errors import UserError
+from .init_from import InitFrom, match, read_source
 from .model import LRAModel
 from .tasks import Split, TaskSpec, get_task
 from .tasks.base import quiet_bars
@@ -40,6 +41,8 @@ class Run:
     run_dir: Optional[Path] = None
     # rank 0's metrics.jsonl (None on the other ranks)
     log: Optional[IO[bytes]] = None
+    # the run whose weights a fresh start loads (--init-from), matched to the model
+    init: Optional[InitFrom] = None
 
     @property
     def tokens_per_step(self) -> int:
@@ -84,6 +87,8 @@ def setup(cfg: RunConfig, quiet: bool) -> Run:
         torch.set_num_threads(tc.threads)
     bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
 
+    # the source of --init-from is checked before any data is read or generated
+    source = read_source(cfg.init_from, cfg) if cfg.init_from else None
     task = get_task(cfg.task)
     spec = task.spec
     if spec.padded and not get_attention(cfg.attn).supports_mask:
@@ -102,7 +107,8 @@ def setup(cfg: RunConfig, quiet: bool) -> Run:
     check_backend(model, splits["train"], device, bf16, cfg.attn)
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
     net = torch.nn.parallel.DistributedDataParallel(model) if d.enabled else model
-    return Run(cfg, device, d, bf16, spec, splits, max_len, model, net, optimizer)
+    init = None if source is None else match(source, model)
+    return Run(cfg, device, d, bf16, spec, splits, max_len, model, net, optimizer, init=init)
 
 
 class BrokenBackend(Exception):

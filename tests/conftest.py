@@ -157,3 +157,26 @@ def bump_mtime(path: Path) -> None:
 
 def fail_if_called(*args: object, **kwargs: object) -> None:
     raise AssertionError("the sources were read again instead of the cache")
+
+
+# a tiny ListOps protocol: 2 layers of width 16 on 64 generated examples cut to 128 tokens, 4 steps
+TINY_LISTOPS = ["--task", "listops", "--preset", "smoke", "--quiet", "--set", "data.size=64", "data.max_len=128",
+                "model.dim=16", "model.ffn_dim=32", "train.steps=4", "train.eval_every=2"]
+# MiTA's options in those runs: m = 8 landmarks, k = 8 keys per expert
+TINY_MITA = ["attn.landmarks=8", "attn.topk=8"]
+
+
+@pytest.fixture(scope="session")
+def tiny_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One tiny finished full-attention run and one MiTA run (lra-run in-process), trained once per
+    session: {"full": folder, "mita": folder, "data": the data folder, "root": their parent}."""
+    from lra.cli import call, run as lra_run
+
+    root = tmp_path_factory.mktemp("tiny_runs")
+    (root / "data").mkdir()
+    runs = {"data": root / "data", "root": root}
+    for attn, extra in (("full", []), ("mita", TINY_MITA)):
+        argv = [*TINY_LISTOPS, *extra, "--attn", attn, "--data-dir", str(root / "data"), "--out", str(root / "runs")]
+        assert call("lra-run", lra_run.main, argv) == 0
+        runs[attn] = root / "runs" / f"listops_{attn}_smoke_seed0"
+    return runs

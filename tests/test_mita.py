@@ -213,3 +213,48 @@ def test_a_batch_split_for_the_cpu_cache_gives_the_same_result(monkeypatch: pyte
         assert rel_err(split, whole) < 1e-12
         for g, r in zip(split_grads, whole_grads):
             assert rel_err(g, r) < 1e-12
+
+
+SELECTION_CASES = {
+    "B2-N61-H2-D16-m8-k8-masked": (2, 2, 61, 16, [61, 29], {"landmarks": 8, "topk": 8}),
+    "B3-N37-H1-D8-m8-k16-masked-short": (3, 1, 37, 8, [37, 20, 5], {"landmarks": 8, "topk": 16}),
+    "B1-N6-H2-D8-m8-k8-fewer-tokens-than-landmarks": (1, 2, 6, 8, None, {"landmarks": 8, "topk": 8}),
+    "B2-N50-H2-D16-m8-k8-E2-masked": (2, 2, 50, 16, [50, 23], {"landmarks": 8, "topk": 8, "experts_per_query": 2}),
+}
+
+
+@pytest.mark.parametrize("case", SELECTION_CASES.values(), ids=SELECTION_CASES.keys())
+def test_selected_keys_are_the_reference_paths_routed_experts(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """selected_keys (what lra-analyze tokens counts) against the keys the reference's step 2 picks:
+    its first top-k call is spied on, so the selection compared is the reference's own."""
+    b, h, n, d, lengths, overrides = case
+    torch.manual_seed(4)
+    mask = None if lengths is None else lengths_mask(lengths, n)
+    attn = build_attention("mita", num_heads=h, head_dim=d, max_len=4096, **overrides)
+    q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64) for _ in range(3))
+    calls: list = []
+    topk = torch.Tensor.topk
+
+    def spy(self: torch.Tensor, *args: object, **kwargs: object) -> object:
+        calls.append(topk(self, *args, **kwargs))
+        return calls[-1]
+
+    monkeypatch.setattr(torch.Tensor, "topk", spy)
+    reference(q, k, v, mask, **overrides)
+    monkeypatch.undo()
+    top, ref_index = calls[0]  # step 2: [B, H, m, keys]
+    m = overrides["landmarks"]
+    real_lengths = [n] * b if lengths is None else lengths
+    # a landmark exists only where a sequence has that many real tokens
+    ref_real = torch.isfinite(top) & (torch.arange(m)[None, :] < torch.tensor(real_lengths)[:, None].clamp(max=m))[:, None, :, None]
+    index, real = attn.selected_keys(q, k, mask)
+    assert index.shape == ref_index.shape == real.shape and index.dtype == torch.long
+    for bi in range(b):
+        for hi in range(h):
+            for j in range(m):
+                got = sorted(index[bi, hi, j][real[bi, hi, j]].tolist())
+                want = sorted(ref_index[bi, hi, j][ref_real[bi, hi, j]].tolist())
+                assert got == want, (bi, hi, j)
+    # padded keys are never selected; every real landmark of a long enough row fills its expert
+    assert all(int(index[bi][real[bi]].max()) < real_lengths[bi] for bi in range(b))
+    assert bool(real[0, :, 0].all())

@@ -1,6 +1,6 @@
 """The command lines' shared parts: ``Parser`` (one-line errors, exit 2) and ``guarded`` (user errors
 as one line, never a traceback). Each command is its own module (run, data, check_attn here;
-lra.bench.cli and lra.tables.cli); this module imports none of them.
+lra.bench.cli, lra.tables.cli and lra.analyze.cli); this module imports none of them.
 """
 from __future__ import annotations
 

@@ -35,6 +35,10 @@ def parser() -> Parser:
     p.add_argument("--out", default="runs", help="folder for run folders and records (default ./runs; the committed "
                    "reference records are in results/runs, which lra-table reads by default)")
     p.add_argument("--resume", action="store_true", help="continue the unfinished run of this config in --out")
+    p.add_argument("--init-from", metavar="RUN_DIR",
+                   help="start from the best weights of a finished run (any backend, same model shape): tensors of "
+                   "the same name and shape are loaded, the others stay new; applied on a fresh start only, and "
+                   "part of the run's identity (its folder is <name>_from-<RUN_DIR's name>)")
     p.add_argument("--attn-module", action="append", default=[], metavar="FILE.py",
                    help="a Python file registering more backends with @register (may repeat)")
     p.add_argument("--quiet", action="store_true", help="no progress bars (training, data generation and reading)")
@@ -53,6 +57,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     cfg = resolve(args.task, args.attn, args.preset, args.sets, seed=args.seed, configs=args.configs)
     # DIR/ and ./DIR name the same folder as DIR
     cfg.out = str(Path(args.out))
+    if args.init_from is not None:
+        cfg.init_from = str(Path(args.init_from))
     if args.data_dir is not None:
         # a mistyped folder would otherwise receive minutes of generated ListOps data
         if not Path(args.data_dir).is_dir():
@@ -71,10 +77,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if record["status"] != "completed":
         print(f"lra-run: run {record['status']}: {record['message']}; record: {record['run_dir']}/record.json", file=sys.stderr)
         return 1
+    # train.steps=0 trains nothing: no training time or speed to report
+    speed = "no training (train.steps=0)" if record["steps"] == 0 else \
+        f"train {record['train_time_s']:.0f}s, {record['tokens_per_s']:.0f} tok/s"
     print(
         f"{cfg.task}/{cfg.attn}: test acc {record['test_acc']:.4f} (majority {record['majority_acc']:.4f}), "
-        f"best val {record['val_acc']:.4f} at step {record['best_step']}, train {record['train_time_s']:.0f}s, "
-        f"{record['tokens_per_s']:.0f} tok/s, peak {record['peak_memory_mb']:.0f} MB; "
+        f"best val {record['val_acc']:.4f} at step {record['best_step']}, {speed}, peak {record['peak_memory_mb']:.0f} MB; "
         f"record: {record['run_dir']}/record.json"
     )
     return 0

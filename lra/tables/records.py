@@ -1,6 +1,7 @@
 """Which run records the tables use: the finished ones under the run folders given, the latest per
 backend, preset, task and seed, and every record or run left out with the reason (unreadable,
-unfinished, an older duplicate, a smoke run), which the accuracy and efficiency tables print."""
+unfinished, an older duplicate, a smoke run, a run started from another's weights), which the
+accuracy and efficiency tables print."""
 from __future__ import annotations
 
 import json
@@ -70,6 +71,10 @@ def load_records(folders: List[Path], include_smoke: bool = False) -> Tuple[List
             continue
         if record["preset"] == "smoke" and not include_smoke:
             selection.left_out.append((path, "smoke run; --include-smoke shows it"))
+            continue
+        if record.get("init_from"):
+            # a swap-in (lra-run --init-from): not a run of the backend trained on its own
+            selection.left_out.append((path, f"started from the weights of {record['init_from'].get('run', '?')} (--init-from)"))
             continue
         key = (record["attn"], record["preset"], record["task"], record["seed"])
         if key in latest:

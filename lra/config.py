@@ -271,7 +271,10 @@ def from_saved(saved: Dict[str, Any], origin: str) -> RunConfig:
         elif key == "attn_options":
             _apply_section(cfg, "attn", value, origin)
         elif key in hints:
-            setattr(cfg, key, _coerce(key, value, hints[key]))
+            try:
+                setattr(cfg, key, coerce(key, value, hints[key]))
+            except AttentionError as err:
+                raise UserError(f"{origin}: {err}") from err
         else:
             raise UserError(f"{origin}: unknown key {key!r}; valid: {', '.join(f.name for f in dataclasses.fields(RunConfig))}")
     validate(cfg)

@@ -85,6 +85,7 @@ CONSOLE_BAD = {
     "lra-bench": (["attention", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     "lra-table": (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     "lra-check-attn": (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    "lra-analyze": (["budget", "no-such-run", "--set", "attn.topk=8"], "no-such-run"),
 }
 
 

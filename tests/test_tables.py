@@ -313,7 +313,7 @@ def test_efficiency_table_carries_each_runs_load_average(tmp_path: Path) -> None
     write_runs(tmp_path / "runs", loaded)
     md = (run_table(tmp_path, "--no-plots") / "efficiency.md").read_text()
     full = dict(zip(row(md, "Task", "Model"), row(md, "ListOps", "full")))
-    assert full["Load (1/5/15 min)"] == "2.00 / 1.50 / 1.25; —"
+    assert full["Load (1/5/15 min)"] == "2.00 / 1.50 / 1.25; —" and full["Budget"] == "N"
     bad = {**loaded[0], "load_average": [2.0, "high", 1.0]}
     with pytest.raises(ValueError, match="load_average"):
         validate_record(bad)

@@ -228,8 +228,9 @@ def efficiency_row(task: str, preset: str, attn: str, rs: List[Dict[str, Any]], 
     kinds = ", ".join(sorted({MEMORY_KINDS.get(r["memory_kind"], r["memory_kind"]) for r in rs if r["status"] == "completed"}))
     loads = load_text(rs)
     steps = round(statistics.fmean(r["steps"] for r in rs))
+    budget = ", ".join(sorted({str(r["attn_budget"]) for r in rs}))
     row = [
-        TITLES.get(task, task), attn, preset, str(len(rs)), str(steps),
+        TITLES.get(task, task), attn, preset, str(len(rs)), str(steps), budget,
         fmt_duration(time.mean) if time.mean is not None else time.text(),
         f"{ratio:.2f}×" if ratio is not None else MISSING,
         fmt_count(speed.mean) if speed.mean is not None else speed.text(),
@@ -237,6 +238,7 @@ def efficiency_row(task: str, preset: str, attn: str, rs: List[Dict[str, Any]], 
         devices(rs), loads,
     ]
     csv_row = {"task": task, "model": attn, "preset": preset, "seeds": len(rs), "diverged": time.diverged, "steps": steps,
+               "attn_budget": budget,
                "train_time_s": time.mean, "train_time_vs_full": ratio, "tokens_per_s": speed.mean,
                "peak_memory_mb": memory.mean, "memory_kind": kinds, "device_name": devices(rs),
                "load_average": None if loads == MISSING else loads}
@@ -253,7 +255,7 @@ def load_text(rs: List[Dict[str, Any]]) -> str:
 
 
 def efficiency_table(records: List[Dict[str, Any]]) -> Table:
-    table = Table("Training time and memory", ["Task", "Model", "Preset", "Seeds", "Steps", "Train time", "vs full",
+    table = Table("Training time and memory", ["Task", "Model", "Preset", "Seeds", "Steps", "Budget", "Train time", "vs full",
                                                "Tokens/s", "Peak memory", "Device", "Load (1/5/15 min)"])
     table.records = []
     groups = grouped(records)
@@ -273,8 +275,9 @@ def efficiency_table(records: List[Dict[str, Any]]) -> Table:
     if complete:
         table.breaks.append(len(table.rows))
     for (preset, attn), seconds in complete:
-        table.rows.append(["LRA total (5 tasks)", attn, preset, *[MISSING] * 2, fmt_duration(seconds), *[MISSING] * 5])
-    table.notes = ["Train time: wall-clock of the training steps (evaluation excluded), mean over completed seeds; "
+        table.rows.append(["LRA total (5 tasks)", attn, preset, *[MISSING] * 3, fmt_duration(seconds), *[MISSING] * 5])
+    table.notes = ["Budget: keys one query attends to, as the backend reports it for the run's settings; "
+                   "train time: wall-clock of the training steps (evaluation excluded), mean over completed seeds; "
                    "vs full: train time over full attention's on the same task, preset and device; "
                    "peak memory: CUDA max allocated on a GPU, the process's peak RSS on the CPU; "
                    "load: the machine's load averages when training ended, the run's own threads included "

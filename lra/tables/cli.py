@@ -186,29 +186,33 @@ def accuracy_table(records: List[Dict[str, Any]], published: List[Dict[str, str]
 def differences_from_full(records: List[Dict[str, Any]]) -> List[str]:
     """The significance footnote: for each (preset, task) where full and another backend both have at
     least two completed seeds, the backends whose mean differs from full's by more than twice the
-    standard error of that difference over seeds; no line when nothing can be compared."""
+    standard error of that difference. The error adds the seed spreads and the test split's sampling
+    error of two accuracies (seeds share one test split, so their spread alone can be zero while the
+    split still decides a point or two); no line when nothing can be compared."""
     groups = grouped(records)
-    marked, compared, examples = [], 0, set()
+    marked, compared = [], 0
     for preset, task in sorted({(p, t) for p, _, t in groups}):
-        full = summarize(groups.get((preset, "full", task), []), "test_acc", 100.0)
+        full_records = groups.get((preset, "full", task), [])
+        full = summarize(full_records, "test_acc", 100.0)
         for attn in backend_order(a for p, a, t in groups if (p, t) == (preset, task) and a != "full"):
             ours = summarize(groups[(preset, attn, task)], "test_acc", 100.0)
             if len(ours.values) < 2 or len(full.values) < 2:
                 continue
             compared += 1
-            examples.update(r["test_examples"] for r in groups[(preset, attn, task)] + groups[(preset, "full", task)])
-            se = math.sqrt(ours.std**2 / len(ours.values) + full.std**2 / len(full.values))  # type: ignore[operator]
+            n = min(r["test_examples"] for r in groups[(preset, attn, task)] + full_records)
+            p = (ours.mean + full.mean) / 200.0  # type: ignore[operator]
+            split = 2 * p * (1 - p) / n * 100.0**2
+            se = math.sqrt(ours.std**2 / len(ours.values) + full.std**2 / len(full.values) + split)  # type: ignore[operator]
             diff = ours.mean - full.mean  # type: ignore[operator]
             if abs(diff) > 2 * se:
                 marked.append(f"{attn} on {TITLES.get(task, task)} ({preset}) {diff:+.1f} points (2 SE {2 * se:.1f})")
     if not compared:
         return []
-    sizes = ", ".join(f"{n:,}" for n in sorted(examples))
-    return [f"Differences from full larger than twice their standard error over seeds (mean difference > "
-            f"2 √(s²/n + s_full²/n_full), {compared} backend-task pairs compared): {'; '.join(marked) or 'none'}. "
-            f"A screen, not a test at 5% (with 3 seeds the rule is loose). The seeds share one test split "
-            f"({sizes} examples): its own sampling error, about √(p(1-p)/n) (2.2 points at 30% on 416), "
-            "is in no seed spread and applies to every row alike."]
+    return [f"Differences from full larger than twice their standard error (|mean - mean_full| > "
+            f"2 √(s²/n + s_full²/n_full + 2 p(1-p)/N_test), p the two means' average, N_test the test examples; "
+            f"{compared} backend-task pairs compared): {'; '.join(marked) or 'none'}. A screen, not a test at 5%: "
+            "with 3 seeds the spread is itself uncertain, and the test-split term treats the two accuracies as "
+            "independent, which the shared split makes conservative."]
 
 
 MEMORY_KINDS = {"cpu_peak_rss": "CPU peak RSS", "cuda_max_allocated": "CUDA max allocated"}

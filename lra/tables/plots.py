@@ -155,13 +155,14 @@ def accuracy_vs_time(series: Series, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     times: List[float] = []
     accs: List[float] = []
+    points: List[Tuple[str, str, float, float]] = []  # label, colour, time, accuracy
     for i, (label, per_task) in enumerate(series.items()):
         color = f"C{i % 10}"
         for task, records in per_task.items():
             time = statistics.fmean(r["train_time_s"] for r in records)
             acc = statistics.fmean(100.0 * r["test_acc"] for r in records)
             ax.scatter(time, acc, color=color, marker=markers.get(task, "x"), s=40, zorder=3)
-            ax.annotate(label, (time, acc), textcoords="offset points", xytext=(5, 4), fontsize=7, color=color)
+            points.append((label, color, time, acc))
             times.append(time)
             accs.append(acc)
         ax.scatter([], [], color=color, marker="o", label=label)
@@ -187,12 +188,31 @@ def accuracy_vs_time(series: Series, path: Path) -> Path:
     pad = max(0.0, 10.0 - (high_acc - low_acc)) / 2 + 2.0
     ax.set_ylim(max(0.0, low_acc - pad), min(100.0, high_acc + pad))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _pos: f"{y:g}"))
+    label_points(ax, points)
     ax.set_xlabel("training time (wall-clock of the training steps, log scale)")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title(f"Test accuracy against training time ({presets_text(series)})", fontsize=10)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(alpha=0.3)
     return save(fig, path)
+
+
+def label_points(ax: Any, points: List[Tuple[str, str, float, float]]) -> None:
+    """Name every point beside it; a label that would overlap one already placed moves up in steps of
+    a line, with a thin leader back to its point, so close runs (several backends on the same
+    plateau) stay readable without the legend."""
+    to_points = 72.0 / ax.figure.dpi
+    placed: List[Tuple[float, float, float]] = []  # x, y (points), width of the label (points)
+    for label, color, time, acc in sorted(points, key=lambda p: (p[3], p[2])):
+        px, py = (c * to_points for c in ax.transData.transform((time, acc)))
+        width = 4.2 * len(label) + 6
+        dy = 4.0
+        while any(abs(px - qx) < max(width, w) and abs(py + dy - qy) < 8 for qx, qy, w in placed):
+            dy += 8.0
+        placed.append((px, py + dy, width))
+        arrow = {"arrowstyle": "-", "color": color, "linewidth": 0.5} if dy > 4.0 else None
+        ax.annotate(label, (time, acc), textcoords="offset points", xytext=(5, dy), fontsize=7, color=color,
+                    arrowprops=arrow)
 
 
 def plot_all(records: List[Dict[str, Any]], out: Path, order: List[str],

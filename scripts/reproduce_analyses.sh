@@ -96,7 +96,8 @@ for seed in seeds:
 cell = lambda v: MISSING if v is None else f"{v:.2f}%"
 rows = [[seed, *map(cell, vs)] for seed, vs in zip(seeds, values)]
 means = [[v for v in col if v is not None] for col in zip(*values)]
-rows.append(["mean", *(cell(statistics.fmean(c)) if c else MISSING for c in means)])
+spread = lambda c: f"{statistics.fmean(c):.2f} ± {statistics.stdev(c):.2f}%" if len(c) > 1 else cell(c[0])
+rows.append(["mean ± std", *(spread(c) if c else MISSING for c in means)])
 records = [{"seed": seed, **dict(zip(["full", "mita", "swapin_0", f"swapin_{steps}"], vs))} for seed, vs in zip(seeds, values)]
 table = Table(f"Swap-in: MiTA on full attention's trained weights (ListOps, {preset} preset), test accuracy", columns, rows,
               notes=[f"lra-run --attn mita --preset {preset} --init-from <full run> --set train.steps=0 / {steps}; "

@@ -52,6 +52,10 @@ def test_budget_grid_table_and_heat_map(tiny_runs: dict, tmp_path: Path, capsys:
     record = json.loads((tiny_runs["mita"] / "record.json").read_text())
     assert len(trained) == 1 and float(trained[0]["test_acc"]) == pytest.approx(record["test_acc"], abs=1e-6)
     assert {r["examples"] for r in table} == {str(record["test_examples"])}
+    # the loss beside the accuracy: the markdown cell is the CSV's test_loss
+    md = (tmp_path / "budget.md").read_text()
+    assert "| cost per query | test acc | test loss | vs trained |" in md
+    assert f"| {float(trained[0]['test_loss']):.4f} | trained |" in md
     assert (tmp_path / "budget.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["budget.csv", "budget.md", "budget.png", "budget.tex"]
 

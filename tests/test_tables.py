@@ -115,6 +115,8 @@ def test_efficiency_ratio_totals_and_diverged(tmp_path: Path) -> None:
     header = row(md, "Task", "Model")
     mita = dict(zip(header, row(md, "ListOps", "mita")))
     assert mita["Train time"] == "40.0 s" and mita["vs full"] == "0.40×" and mita["Seeds"] == "2"
+    # one completed seed (the other diverged): no per-seed times beside the mean
+    assert mita["Per seed (s)"] == "—"
     assert dict(zip(header, row(md, "Retrieval", "mita")))["Train time"] == "diverged"
     # full has all five tasks: its LRA total is the sum of the per-task means; mita has no total
     assert dict(zip(header, row(md, "LRA total (5 tasks)", "full")))["Train time"] == "8.3 min"
@@ -309,11 +311,14 @@ def test_default_runs_folder_is_the_committed_one(tmp_path: Path, monkeypatch: p
 def test_efficiency_table_carries_each_runs_load_average(tmp_path: Path) -> None:
     loaded = [make_record("listops", "full", seed, 0.3) for seed in (0, 1)]
     loaded[0]["load_average"] = [2.0, 1.5, 1.25]
+    loaded[1]["train_time_s"] = 250.0
     # the second record predates the field: still readable, shown as not recorded
     write_runs(tmp_path / "runs", loaded)
     md = (run_table(tmp_path, "--no-plots") / "efficiency.md").read_text()
     full = dict(zip(row(md, "Task", "Model"), row(md, "ListOps", "full")))
     assert full["Load (1/5/15 min)"] == "2.00 / 1.50 / 1.25; —" and full["Budget"] == "N"
+    # each seed's train time beside the mean (machines of different speed show up here)
+    assert full["Train time"] == "2.9 min" and full["Per seed (s)"] == "100 / 250"
     bad = {**loaded[0], "load_average": [2.0, "high", 1.0]}
     with pytest.raises(ValueError, match="load_average"):
         validate_record(bad)

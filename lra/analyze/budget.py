@@ -112,7 +112,7 @@ def tables(loaded: Loaded, grid: Grid, cells: List[Cell], base: Cell) -> List[Ta
         shown = [str(cell.options[k]) for k in keys]
         if not in_grid and cell is base:
             shown[0] += " (trained, not in the grid)"
-        rows.append([*shown, cell.budget, f"{100 * cell.acc:.2f}%", delta])
+        rows.append([*shown, cell.budget, f"{100 * cell.acc:.2f}%", f"{cell.loss:.4f}", delta])
         records.append({**cell.options, "cost_per_query": cell.budget, "test_acc": round(cell.acc, 6),
                         "test_loss": round(cell.loss, 6), "trained": cell.trained, "examples": len(loaded.test),
                         "run": loaded.run.name})
@@ -121,10 +121,11 @@ def tables(loaded: Loaded, grid: Grid, cells: List[Cell], base: Cell) -> List[Ta
     notes = [
         f"Run {loaded.run.folder} ({loaded.cfg.task}, {loaded.cfg.attn}), trained at {trained_at}; its best weights, "
         f"unchanged, on the first {len(loaded.test)} test examples (its record: {recorded} on {record['test_examples']}).",
-        f"Cost per query: the keys one query attends to at that setting ({loaded.cfg.attn}'s budget()).",
+        f"Cost per query: the keys one query attends to at that setting ({loaded.cfg.attn}'s budget()); test loss: mean "
+        "cross-entropy on the same rows, which moves where the accuracy (whole rows right or wrong) does not.",
     ]
     first = Table(f"Test accuracy with attention options changed at inference: {loaded.run.name}",
-                  [*keys, "cost per query", "test acc", "vs trained"], rows, notes=notes, records=records)
+                  [*keys, "cost per query", "test acc", "test loss", "vs trained"], rows, notes=notes, records=records)
     if len(keys) != 2:
         return [first]
     by = {tuple(c.options[k] for k in keys): c for c in cells}

@@ -225,6 +225,7 @@ def devices(records: List[Dict[str, Any]]) -> str:
 def efficiency_row(task: str, preset: str, attn: str, rs: List[Dict[str, Any]], full: List[Dict[str, Any]]
                    ) -> Tuple[List[str], Dict[str, Any]]:
     """The display row and the CSV row of one (task, preset, backend); only completed runs give numbers."""
+    rs = sorted(rs, key=lambda r: r["seed"])  # per-seed cells in seed order
     time, speed, memory = (summarize(rs, key) for key in ("train_time_s", "tokens_per_s", "peak_memory_mb"))
     full_time = summarize(full, "train_time_s")
     # a ratio only between runs on the same hardware
@@ -233,9 +234,12 @@ def efficiency_row(task: str, preset: str, attn: str, rs: List[Dict[str, Any]], 
     loads = load_text(rs)
     steps = round(statistics.fmean(r["steps"] for r in rs))
     budget = ", ".join(sorted({str(r["attn_budget"]) for r in rs}))
+    # each seed's own time: a mean over runs from machines of different speed would hide it
+    per_seed = [f"{r['train_time_s']:.0f}" for r in rs if r["status"] == "completed" and r.get("train_time_s") is not None]
     row = [
         TITLES.get(task, task), attn, preset, str(len(rs)), str(steps), budget,
         fmt_duration(time.mean) if time.mean is not None else time.text(),
+        " / ".join(per_seed) if len(per_seed) > 1 else MISSING,
         f"{ratio:.2f}×" if ratio is not None else MISSING,
         fmt_count(speed.mean) if speed.mean is not None else speed.text(),
         f"{memory.mean:,.0f} MB ({kinds})" if memory.mean is not None else memory.text(),
@@ -243,7 +247,7 @@ def efficiency_row(task: str, preset: str, attn: str, rs: List[Dict[str, Any]], 
     ]
     csv_row = {"task": task, "model": attn, "preset": preset, "seeds": len(rs), "diverged": time.diverged, "steps": steps,
                "attn_budget": budget,
-               "train_time_s": time.mean, "train_time_vs_full": ratio, "tokens_per_s": speed.mean,
+               "train_time_s": time.mean, "train_time_s_per_seed": "; ".join(per_seed), "train_time_vs_full": ratio, "tokens_per_s": speed.mean,
                "peak_memory_mb": memory.mean, "memory_kind": kinds, "device_name": devices(rs),
                "load_average": None if loads == MISSING else loads}
     return row, csv_row
@@ -259,8 +263,8 @@ def load_text(rs: List[Dict[str, Any]]) -> str:
 
 
 def efficiency_table(records: List[Dict[str, Any]]) -> Table:
-    table = Table("Training time and memory", ["Task", "Model", "Preset", "Seeds", "Steps", "Budget", "Train time", "vs full",
-                                               "Tokens/s", "Peak memory", "Device", "Load (1/5/15 min)"])
+    table = Table("Training time and memory", ["Task", "Model", "Preset", "Seeds", "Steps", "Budget", "Train time", "Per seed (s)",
+                                               "vs full", "Tokens/s", "Peak memory", "Device", "Load (1/5/15 min)"])
     table.records = []
     groups = grouped(records)
     # (preset, attn) -> task -> mean train time, for the five-task totals
@@ -279,9 +283,10 @@ def efficiency_table(records: List[Dict[str, Any]]) -> Table:
     if complete:
         table.breaks.append(len(table.rows))
     for (preset, attn), seconds in complete:
-        table.rows.append(["LRA total (5 tasks)", attn, preset, *[MISSING] * 3, fmt_duration(seconds), *[MISSING] * 5])
+        table.rows.append(["LRA total (5 tasks)", attn, preset, *[MISSING] * 3, fmt_duration(seconds), *[MISSING] * 6])
     table.notes = ["Budget: keys one query attends to, as the backend reports it for the run's settings; "
-                   "train time: wall-clock of the training steps (evaluation excluded), mean over completed seeds; "
+                   "train time: wall-clock of the training steps (evaluation excluded), mean over completed seeds, and each "
+                   "seed's in seed order (runs of one row may come from machines of different speed: compare them); "
                    "vs full: train time over full attention's on the same task, preset and device; "
                    "peak memory: CUDA max allocated on a GPU, the process's peak RSS on the CPU; "
                    "load: the machine's load averages when training ended, the run's own threads included "

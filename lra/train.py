@@ -47,6 +47,9 @@ def train(cfg: RunConfig, resume: bool = False, quiet: bool = False) -> Dict[str
     The run folder is locked from when it is chosen until the record is written (or the run stops).
     """
     started_at = now()
+    if resume:
+        # nothing to resume is refused before any data is read or generated (minutes for the paper preset)
+        ckpt.choose_run_dir(cfg, resume)
     with contextlib.ExitStack() as held:
         # 1) setup: device and processes, data, model and optimizer
         run = setup(cfg, quiet)

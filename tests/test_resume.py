@@ -126,6 +126,16 @@ def test_resume_without_a_run_is_an_error(workdir: Path, run_in: Callable) -> No
     assert len(proc.err.splitlines()) == 1 and not (workdir / "none").exists()
 
 
+def test_resume_without_a_run_is_refused_before_the_data_are_made(workdir: Path, cli: Callable) -> None:
+    """A --resume with nothing to resume used to generate the task's data first (the paper preset's
+    100,000 ListOps rows take minutes) and only then say so."""
+    empty = workdir / "no-data-yet"
+    empty.mkdir()
+    proc = cli("lra-run", *TINY, "--out", workdir / "none", "--resume", "--data-dir", empty)
+    assert proc.code == 2 and "no run folder" in proc.err
+    assert list(empty.iterdir()) == [], "data were generated for a run that could not start"
+
+
 def test_divergence_stops_with_a_diverged_record(workdir: Path, run_in: Callable) -> None:
     out = workdir / "diverge"
     proc = run_in(*TINY, "--out", out, "--set", "train.lr=1e12", "train.grad_clip=0.0")

@@ -89,6 +89,9 @@ def accuracy_bars(series: Series, path: Path, published: Optional[List[Dict[str,
     fig, ax = plt.subplots(figsize=(max(5.0, 1.5 * len(tasks) + 0.35 * len(series) * len(tasks)), 4.2))
     top = 0.0
     several = False
+    # one seed count for every bar: said once in the title, not above each bar (narrow bars' labels collide)
+    counts_seen = {len(runs) for per_task in series.values() for runs in per_task.values() if runs}
+    uniform = counts_seen.pop() if len(counts_seen) == 1 else None
     for i, (label, per_task) in enumerate(series.items()):
         xs, means, stds, counts = [], [], [], []
         for j, task in enumerate(tasks):
@@ -105,7 +108,8 @@ def accuracy_bars(series: Series, path: Path, published: Optional[List[Dict[str,
             ax.errorbar([x for x, _, _ in spread], [m for _, m, _ in spread], yerr=[s for _, _, s in spread],
                         fmt="none", ecolor="black", capsize=3, linewidth=1)
         for x, mean, std, count in zip(xs, means, stds, counts):
-            ax.text(x, mean + std + 0.8, f"{mean:.1f}\n{count} seed{'s' if count > 1 else ''}", ha="center",
+            text = f"{mean:.1f}" if uniform else f"{mean:.1f}\n{count} seed{'s' if count > 1 else ''}"
+            ax.text(x, mean + std + 0.8, text, ha="center",
                     va="bottom", fontsize=7, zorder=4, bbox={"facecolor": "white", "alpha": 0.8, "linewidth": 0, "pad": 1})
         top = max([top, *(m + s for m, s in zip(means, stds))])
     for j, task in enumerate(tasks):
@@ -128,7 +132,10 @@ def accuracy_bars(series: Series, path: Path, published: Optional[List[Dict[str,
     ax.set_xlim(-0.6, len(tasks) - 0.35)
     ax.set_ylim(0, min(100.0, top * 1.15 + 5))
     ax.set_ylabel("test accuracy (%)")
-    seeds = "error bars: std over seeds, where 2 or more" if several else "one seed per bar, so no error bars"
+    if uniform and uniform > 1:
+        seeds = f"{uniform} seeds per bar, error bars: their std"
+    else:
+        seeds = "error bars: std over seeds, where 2 or more" if several else "one seed per bar, so no error bars"
     ax.set_title(f"Test accuracy by task ({presets_text(series)}; {seeds})", fontsize=10)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(axis="y", alpha=0.3)

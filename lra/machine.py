@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import platform
 import socket
+import statistics
 import subprocess
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -66,6 +68,28 @@ def meminfo_gb(field: str) -> Optional[float]:
 def load_average() -> List[float]:
     """The 1, 5 and 15 minute load averages: how busy the machine was besides the benchmark."""
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def matmul_rate(device: torch.device, size: int = 1024, repeats: int = 5) -> float:
+    """GFLOP/s of a float32 ``size`` x ``size`` matmul at this process's torch thread count (median of
+    ``repeats``; 0.1-0.5 s on a 2-core CPU): a stamp of how fast the machine was. Two machines with
+    the same name and load can differ 2x (the ListOps cpu runs met one such pair), and train times
+    compare only between runs whose stamps agree."""
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    seconds = []
+    for _ in range(repeats + 1):  # the first product warms the thread pool up and is not counted
+        sync()
+        start = time.perf_counter()
+        a @ b
+        sync()
+        seconds.append(time.perf_counter() - start)
+    return round(2 * size**3 / statistics.median(seconds[1:]) / 1e9, 1)
 
 
 def hardware(device: torch.device) -> Dict[str, Any]:

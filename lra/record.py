@@ -78,6 +78,9 @@ class Record:
     # its folder name ("run"), "attn", "attn_budget", "attn_options", "test_acc", and the tensors
     # "loaded" (a count) and left "new" (their names); added later, older records lack it
     init_from: Optional[Dict[str, Any]] = None
+    # float32 matmul rate (GFLOP/s, 1024 x 1024, the run's thread count) measured when training
+    # ended, beside the load: tells apart machines of the same name; added later, older records lack it
+    matmul_gflops: Optional[float] = None
     schema: int = SCHEMA_VERSION
 
     def to_dict(self) -> Dict[str, Any]:

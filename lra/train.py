@@ -31,7 +31,7 @@ from .augment import augment
 from .checkpoint import TrainState
 from .config import RunConfig, TrainConfig
 from .files import write_json_atomic
-from .machine import environment, load_average
+from .machine import environment, load_average, matmul_rate
 from .record import Record, now
 from .tasks import Split
 from .train_setup import Run, peak_memory_mb, setup, to_device
@@ -283,6 +283,8 @@ def finish(run: Run, state: TrainState, status: str, message: str) -> Record:
     tc, cfg = run.cfg.train, run.cfg
     # how busy the machine was while training: the train time of two runs compares only at similar loads
     load = load_average()
+    # and how fast it was: machines of the same name can differ 2x
+    rate = matmul_rate(run.device)
     if state.losses:
         state.last_loss = sum(state.losses) / len(state.losses)
     test_acc: Optional[float] = None
@@ -305,7 +307,7 @@ def finish(run: Run, state: TrainState, status: str, message: str) -> Record:
         params=sum(p.numel() for p in run.model.parameters() if p.requires_grad),
         **environment(run.device), world_size=run.d.world_size, precision="bf16" if run.bf16 else "fp32",
         started_at=state.started_at, finished_at=now(), message=message, load_average=load,
-        init_from=None if run.init is None else run.init.record(),
+        init_from=None if run.init is None else run.init.record(), matmul_gflops=rate,
     )
     if run.d.main:
         if status == "completed":

@@ -41,7 +41,7 @@ def test_smoke_run_writes_a_valid_record(tmp_path: Path, cli, monkeypatch: pytes
     assert stat.S_IMODE(records[0].stat().st_mode) == 0o666 & ~umask
     record = json.loads(records[0].read_text())
     validate_record(record)
-    assert len(record["load_average"]) == 3
+    assert len(record["load_average"]) == 3 and record["matmul_gflops"] > 0
     assert record["status"] == "completed" and record["steps"] == 4
     assert 0.0 <= record["test_acc"] <= 1.0 and 0.0 < record["majority_acc"] <= 1.0
     assert record["config"]["train"]["steps"] == 4 and record["task"] == "listops"

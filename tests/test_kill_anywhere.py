@@ -25,7 +25,7 @@ import lra.train
 from lra.cli import run as lra_run
 
 # timings and process measurements (the machine's load too): the only record fields a kill may change
-TIMINGS = ("train_time_s", "eval_time_s", "tokens_per_s", "peak_memory_mb", "started_at", "finished_at", "load_average")
+TIMINGS = ("train_time_s", "eval_time_s", "tokens_per_s", "peak_memory_mb", "started_at", "finished_at", "load_average", "matmul_gflops")
 # checkpoints at 4, 8, ...; loss lines at 3, 6, ... (so a checkpoint falls inside a loss window);
 # evaluations at 7, 14 and 20
 TINY = [

@@ -312,6 +312,7 @@ def test_efficiency_table_carries_each_runs_load_average(tmp_path: Path) -> None
     loaded = [make_record("listops", "full", seed, 0.3) for seed in (0, 1)]
     loaded[0]["load_average"] = [2.0, 1.5, 1.25]
     loaded[1]["train_time_s"] = 250.0
+    loaded[0]["matmul_gflops"] = 61.9
     # the second record predates the field: still readable, shown as not recorded
     write_runs(tmp_path / "runs", loaded)
     md = (run_table(tmp_path, "--no-plots") / "efficiency.md").read_text()
@@ -319,6 +320,10 @@ def test_efficiency_table_carries_each_runs_load_average(tmp_path: Path) -> None
     assert full["Load (1/5/15 min)"] == "2.00 / 1.50 / 1.25; —" and full["Budget"] == "N"
     # each seed's train time beside the mean (machines of different speed show up here)
     assert full["Train time"] == "2.9 min" and full["Per seed (s)"] == "100 / 250"
+    # and each seed's machine speed (the second record predates the field)
+    assert full["Matmul GFLOP/s"] == "62 / —"
+    with pytest.raises(ValueError, match="matmul_gflops"):
+        validate_record({**loaded[0], "matmul_gflops": "fast"})
     bad = {**loaded[0], "load_average": [2.0, "high", 1.0]}
     with pytest.raises(ValueError, match="load_average"):
         validate_record(bad)

@@ -232,6 +232,8 @@ def efficiency_row(task: str, preset: str, attn: str, rs: List[Dict[str, Any]], 
     ratio = time.mean / full_time.mean if time.mean is not None and full_time.mean and devices(rs) == devices(full) else None
     kinds = ", ".join(sorted({MEMORY_KINDS.get(r["memory_kind"], r["memory_kind"]) for r in rs if r["status"] == "completed"}))
     loads = load_text(rs)
+    rates = [r.get("matmul_gflops") for r in rs]
+    rate_text = " / ".join(MISSING if x is None else f"{x:.0f}" for x in rates) if any(rates) else MISSING
     steps = round(statistics.fmean(r["steps"] for r in rs))
     budget = ", ".join(sorted({str(r["attn_budget"]) for r in rs}))
     # each seed's own time: a mean over runs from machines of different speed would hide it
@@ -243,12 +245,13 @@ def efficiency_row(task: str, preset: str, attn: str, rs: List[Dict[str, Any]], 
         f"{ratio:.2f}×" if ratio is not None else MISSING,
         fmt_count(speed.mean) if speed.mean is not None else speed.text(),
         f"{memory.mean:,.0f} MB ({kinds})" if memory.mean is not None else memory.text(),
-        devices(rs), loads,
+        devices(rs), rate_text, loads,
     ]
     csv_row = {"task": task, "model": attn, "preset": preset, "seeds": len(rs), "diverged": time.diverged, "steps": steps,
                "attn_budget": budget,
                "train_time_s": time.mean, "train_time_s_per_seed": "; ".join(per_seed), "train_time_vs_full": ratio, "tokens_per_s": speed.mean,
                "peak_memory_mb": memory.mean, "memory_kind": kinds, "device_name": devices(rs),
+               "matmul_gflops": None if rate_text == MISSING else rate_text,
                "load_average": None if loads == MISSING else loads}
     return row, csv_row
 
@@ -264,7 +267,8 @@ def load_text(rs: List[Dict[str, Any]]) -> str:
 
 def efficiency_table(records: List[Dict[str, Any]]) -> Table:
     table = Table("Training time and memory", ["Task", "Model", "Preset", "Seeds", "Steps", "Budget", "Train time", "Per seed (s)",
-                                               "vs full", "Tokens/s", "Peak memory", "Device", "Load (1/5/15 min)"])
+                                               "vs full", "Tokens/s", "Peak memory", "Device", "Matmul GFLOP/s",
+                                               "Load (1/5/15 min)"])
     table.records = []
     groups = grouped(records)
     # (preset, attn) -> task -> mean train time, for the five-task totals
@@ -283,12 +287,14 @@ def efficiency_table(records: List[Dict[str, Any]]) -> Table:
     if complete:
         table.breaks.append(len(table.rows))
     for (preset, attn), seconds in complete:
-        table.rows.append(["LRA total (5 tasks)", attn, preset, *[MISSING] * 3, fmt_duration(seconds), *[MISSING] * 6])
+        table.rows.append(["LRA total (5 tasks)", attn, preset, *[MISSING] * 3, fmt_duration(seconds), *[MISSING] * 7])
     table.notes = ["Budget: keys one query attends to, as the backend reports it for the run's settings; "
                    "train time: wall-clock of the training steps (evaluation excluded), mean over completed seeds, and each "
                    "seed's in seed order (runs of one row may come from machines of different speed: compare them); "
                    "vs full: train time over full attention's on the same task, preset and device; "
                    "peak memory: CUDA max allocated on a GPU, the process's peak RSS on the CPU; "
+                   "matmul GFLOP/s: each seed's machine speed, a float32 1024 x 1024 matmul at the run's thread "
+                   "count when training ended (machines of one name can differ 2x; — = a record older than the field); "
                    "load: the machine's load averages when training ended, the run's own threads included "
                    "(train times compare only at similar loads; — = not recorded, a record older than the field)."]
     return table

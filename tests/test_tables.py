@@ -322,6 +322,20 @@ def test_efficiency_table_carries_each_runs_load_average(tmp_path: Path) -> None
     assert full["Train time"] == "2.9 min" and full["Per seed (s)"] == "100 / 250"
     # and each seed's machine speed (the second record predates the field)
     assert full["Matmul GFLOP/s"] == "62 / —"
+    # no "vs full" between runs on machines whose speed differs by more than 1.2x
+    mita = [make_record("listops", "mita", seed, 0.3, train_time_s=50.0) for seed in (0, 1)]
+    for record, rate in zip(loaded + mita, (62.0, 60.0, 58.0, 120.0)):
+        record["matmul_gflops"] = rate
+    def efficiency(name: str) -> str:
+        write_runs(tmp_path / name, loaded + mita)
+        assert tables.main(["--runs", str(tmp_path / name), "--out", str(tmp_path / f"{name}-tables"), "--no-plots"]) == 0
+        return (tmp_path / f"{name}-tables" / "efficiency.md").read_text()
+
+    mixed = efficiency("mixed")
+    assert dict(zip(row(mixed, "Task", "Model"), row(mixed, "ListOps", "mita")))["vs full"] == "—"
+    mita[1]["matmul_gflops"] = 61.0
+    alike = efficiency("alike")
+    assert dict(zip(row(alike, "Task", "Model"), row(alike, "ListOps", "mita")))["vs full"] == f"{50 / 175:.2f}×"
     with pytest.raises(ValueError, match="matmul_gflops"):
         validate_record({**loaded[0], "matmul_gflops": "fast"})
     bad = {**loaded[0], "load_average": [2.0, "high", 1.0]}

@@ -230,6 +230,8 @@ def efficiency_row(task: str, preset: str, attn: str, rs: List[Dict[str, Any]], 
     full_time = summarize(full, "train_time_s")
     # a ratio only between runs on the same hardware
     ratio = time.mean / full_time.mean if time.mean is not None and full_time.mean and devices(rs) == devices(full) else None
+    if ratio is not None and not same_speed(rs + full):
+        ratio = None
     kinds = ", ".join(sorted({MEMORY_KINDS.get(r["memory_kind"], r["memory_kind"]) for r in rs if r["status"] == "completed"}))
     loads = load_text(rs)
     rates = [r.get("matmul_gflops") for r in rs]
@@ -254,6 +256,14 @@ def efficiency_row(task: str, preset: str, attn: str, rs: List[Dict[str, Any]], 
                "matmul_gflops": None if rate_text == MISSING else rate_text,
                "load_average": None if loads == MISSING else loads}
     return row, csv_row
+
+
+def same_speed(rs: List[Dict[str, Any]], tolerance: float = 1.2) -> bool:
+    """False when the runs' machine-speed stamps (matmul_gflops) differ by more than ``tolerance``x:
+    their train times then measure the machines as much as the backends. Runs without a stamp
+    (records older than the field) cannot be checked and pass."""
+    rates = [r["matmul_gflops"] for r in rs if r.get("matmul_gflops")]
+    return not rates or max(rates) <= tolerance * min(rates)
 
 
 def load_text(rs: List[Dict[str, Any]]) -> str:
@@ -291,7 +301,8 @@ def efficiency_table(records: List[Dict[str, Any]]) -> Table:
     table.notes = ["Budget: keys one query attends to, as the backend reports it for the run's settings; "
                    "train time: wall-clock of the training steps (evaluation excluded), mean over completed seeds, and each "
                    "seed's in seed order (runs of one row may come from machines of different speed: compare them); "
-                   "vs full: train time over full attention's on the same task, preset and device; "
+                   "vs full: train time over full attention's on the same task, preset and device, left out (—) "
+                   "where the runs' matmul stamps differ by more than 1.2x; "
                    "peak memory: CUDA max allocated on a GPU, the process's peak RSS on the CPU; "
                    "matmul GFLOP/s: each seed's machine speed, a float32 1024 x 1024 matmul at the run's thread "
                    "count when training ended (machines of one name can differ 2x; — = a record older than the field); "

@@ -26,7 +26,6 @@ except ImportError:  # pragma: no cover - depends on the machine
     flash_attn_func = flash_attn_varlen_func = None
 
 
-
 @dataclass
 class FullConfig:
     # False: torch's scaled_dot_product_attention (any device; flash-attn varlen for padded CUDA

@@ -157,17 +157,23 @@ def save_checkpoint(path: Path, state: Dict[str, Any]) -> None:
     write_atomic(path, lambda f: torch.save(state, f))
 
 
-def load_checkpoint(path: Path) -> Optional[Dict[str, Any]]:
-    """The checkpoint at ``path`` (None when there is none); a foreign or damaged file is a one-line error."""
-    if not path.exists():
-        return None
+def read_torch_file(path: Path, what: str, advice: str) -> Any:
+    """``torch.load`` of a file this suite wrote (tensors and plain containers only, onto the CPU); a
+    damaged or foreign file is one line: "<what> is unreadable (<cause>); <advice>"."""
     try:
         # torch warns (on stderr) about some foreign pickles before refusing them: the error says enough
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            saved = torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated file, another format, a pickle of other objects
-        raise UserError(f"the checkpoint {path} is unreadable ({type(err).__name__}); delete it to start the run over")
+        raise UserError(f"{what} is unreadable ({type(err).__name__}); {advice}")
+
+
+def load_checkpoint(path: Path) -> Optional[Dict[str, Any]]:
+    """The checkpoint at ``path`` (None when there is none); a foreign or damaged file is a one-line error."""
+    if not path.exists():
+        return None
+    saved = read_torch_file(path, f"the checkpoint {path}", "delete it to start the run over")
     problem = checkpoint_problem(saved)
     if problem:
         raise UserError(f"the checkpoint {path} {problem}; delete it to start the run over")

@@ -6,14 +6,13 @@ has not finished, a damaged file) is one UserError that names the folder and wha
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict
 
 import torch
 
-from .checkpoint import read_config
+from .checkpoint import read_config, read_torch_file
 from .config import RunConfig, from_saved
 from .errors import UserError
 from .record import validate_record
@@ -70,12 +69,7 @@ def read_record(path: Path, label: str) -> Dict[str, Any]:
 
 def load_weights(path: Path) -> Dict[str, torch.Tensor]:
     """A best_model.pt: a mapping of parameter names to tensors; anything else is a one-line error."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            weights = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # a truncated file, another format, a pickle of other objects
-        raise UserError(f"{path} is unreadable ({type(err).__name__}); it should hold the run's best weights")
+    weights = read_torch_file(path, str(path), "it should hold the run's best weights")
     if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
         raise UserError(f"{path} holds no model weights (a mapping of names to tensors)")
     return weights

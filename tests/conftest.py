@@ -1,6 +1,7 @@
 """Shared test helpers, and one rule for every test: no test reaches the network."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import shutil
@@ -9,7 +10,7 @@ import tomllib
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict
+from typing import Callable, Dict, Iterator
 
 # Triton's interpreter runs the Triton kernels on CPU tensors (tests/test_grouped_triton.py). Triton
 # reads TRITON_INTERPRET once, when triton is first imported, so it is set here, before any test
@@ -19,6 +20,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import lra.train  # noqa: E402
 from lra.cli import call  # noqa: E402
 from lra.config import DataConfig  # noqa: E402
 
@@ -180,3 +182,25 @@ def tiny_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         assert call("lra-run", lra_run.main, argv) == 0
         runs[attn] = root / "runs" / f"listops_{attn}_smoke_seed0"
     return runs
+
+
+class Killed(BaseException):
+    """Stands in for SIGKILL: not an Exception, so nothing in the trainer handles it."""
+
+
+@contextlib.contextmanager
+def killed_at_step(monkeypatch: pytest.MonkeyPatch, step: int) -> Iterator[pytest.MonkeyPatch]:
+    """A run started inside dies (raises Killed) when it reaches optimizer step ``step`` (0-based),
+    as a kill would: its checkpoints so far stay, nothing after them is written. Yields the patch
+    (for a chdir); the block must end in that death."""
+    lr_at = lra.train.lr_at
+
+    def dies(at: int, cfg: object) -> float:
+        if at == step:
+            raise Killed
+        return lr_at(at, cfg)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(lra.train, "lr_at", dies)
+        with pytest.raises(Killed):
+            yield patch

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import lra.config
-import lra.train
+from conftest import killed_at_step
 from lra.cli import run as lra_run
 
 TINY_SETS = ["model.dim=16", "model.ffn_dim=32", "model.num_layers=1", "data.max_len=128", "train.steps=12",
@@ -47,21 +47,9 @@ def run_args(*sets: str, extra: tuple = ()) -> List[str]:
 
 def killed_run(folder: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch, *sets: str) -> Path:
     """An unfinished run in ``folder/runs``: killed before step 6, after its checkpoint at step 4."""
-    class Killed(BaseException):
-        pass
-
-    lr_at = lra.train.lr_at
-
-    def dies_at_6(step: int, cfg: object) -> float:
-        if step == 5:
-            raise Killed
-        return lr_at(step, cfg)
-
-    with monkeypatch.context() as patch:
+    with killed_at_step(monkeypatch, 5) as patch:
         patch.chdir(folder)
-        patch.setattr(lra.train, "lr_at", dies_at_6)
-        with pytest.raises(Killed):
-            lra_run.main([a.replace("{data}", str(data_dir)) for a in run_args(*sets)])
+        lra_run.main([a.replace("{data}", str(data_dir)) for a in run_args(*sets)])
     return folder / RUN_FOLDER
 
 

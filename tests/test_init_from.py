@@ -10,8 +10,7 @@ from typing import Dict, List
 import pytest
 import torch
 
-import lra.train
-from conftest import TINY_LISTOPS, TINY_MITA
+from conftest import TINY_LISTOPS, TINY_MITA, killed_at_step
 from lra.checkpoint import run_name, same_run
 from lra.cli import call, run as lra_run
 from lra.config import resolve
@@ -85,10 +84,6 @@ def test_init_from_is_part_of_the_run_identity(tiny_runs: dict) -> None:
     assert same_run(saved, plain) and not same_run(saved, swapped)
 
 
-class Killed(BaseException):
-    pass
-
-
 def test_a_resumed_run_continues_its_checkpoint_not_the_source(tiny_runs: dict, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch,
                                                               capsys: pytest.CaptureFixture) -> None:
@@ -96,17 +91,8 @@ def test_a_resumed_run_continues_its_checkpoint_not_the_source(tiny_runs: dict, 
     the source's weights were applied once, at the fresh start, and not again over the checkpoint."""
     args = ["train.steps=8", "train.checkpoint_every=4", "--init-from", str(tiny_runs["full"])]
     assert lra_run_in(tmp_path / "whole", tiny_runs, "full", *args) == 0
-    lr_at = lra.train.lr_at
-
-    def dies_at_6(step: int, cfg: object) -> float:
-        if step == 5:
-            raise Killed
-        return lr_at(step, cfg)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(lra.train, "lr_at", dies_at_6)
-        with pytest.raises(Killed):
-            lra_run_in(tmp_path / "killed", tiny_runs, "full", *args)
+    with killed_at_step(monkeypatch, 5):
+        lra_run_in(tmp_path / "killed", tiny_runs, "full", *args)
     folder = tmp_path / "killed" / f"{FULL}_from-{FULL}"
     assert (folder / "checkpoint.pt").exists() and not (folder / "record.json").exists()
     capsys.readouterr()

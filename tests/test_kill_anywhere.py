@@ -22,6 +22,7 @@ import torch
 
 import lra.checkpoint
 import lra.train
+from conftest import Killed
 from lra.cli import run as lra_run
 
 # timings and process measurements (the machine's load too): the only record fields a kill may change
@@ -34,10 +35,6 @@ TINY = [
     "train.steps=20", "train.eval_every=7", "train.checkpoint_every=4", "train.log_every=3", "train.threads=1",
 ]
 RUN = [sys.executable, "-c", "from lra.cli.run import entry; entry()"]
-
-
-class Killed(BaseException):
-    """Stands in for SIGKILL: not an Exception, so nothing in the trainer handles it."""
 
 
 # one moment: (what is happening, "before" | "mid" | "after")

@@ -24,10 +24,11 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from . import grouped_cpu, native
 from .base import AttentionError
 from .grouped import grouped_attention
 
-KERNELS = ("auto", "torch", "triton")
+KERNELS = ("auto", "torch", "triton", "cpu")
 # pairs per work item lie in [MIN_TILE, MAX_TILE], a power of two near the mean pairs per expert
 MIN_TILE, MAX_TILE = 16, 64
 # keys per block of a kernel's loop; the head dim is padded to a power of two, at most MAX_HEAD_DIM
@@ -47,6 +48,9 @@ def check_kernel(kernel: str, backend: str) -> None:
         raise AttentionError(f"{backend} kernel={kernel!r} is not one of {', '.join(KERNELS)}")
     if kernel == "triton" and not triton_installed():
         raise AttentionError(f"{backend} kernel='triton' needs Triton, which is not installed: pip install triton")
+    if kernel == "cpu" and not grouped_cpu.available():
+        raise AttentionError(f"{backend} kernel='cpu' needs the C kernel, which cannot be built here: "
+                             f"{native.why_not(grouped_cpu.LIBRARY)}; use kernel='torch'")
 
 
 def interpreting() -> bool:
@@ -58,15 +62,22 @@ def pick_grouped(kernel: str, device: torch.device) -> Callable:
     """The grouped attention function of a backend's ``kernel`` setting (checked by check_kernel) for
     tensors on ``device``. "auto" is Triton on CUDA when Triton is installed: on an NVIDIA H200 the
     kernels passed scripts/device_check.py and ran MiTA's attention 1.4x-5.4x faster than the PyTorch
-    path from 16K to 256K tokens (results/throughput/attention-nvidia-h200-*); PyTorch elsewhere."""
+    path from 16K to 256K tokens (results/throughput/attention-nvidia-h200-*); on the CPU it is the
+    C kernel (grouped_cpu.py) when it builds here, else PyTorch."""
     if kernel == "triton" or (kernel == "auto" and device.type == "cuda" and triton_installed()):
         return grouped_attention_triton
+    if kernel == "cpu" and device.type != "cpu":
+        raise AttentionError(f"kernel='cpu' runs on CPU tensors, these are on {device.type}; use kernel='auto'")
+    if kernel == "cpu" or (kernel == "auto" and device.type == "cpu" and grouped_cpu.available()):
+        return grouped_cpu.grouped_attention_cpu
     return grouped_attention
 
 
 def kernel_name(kernel: str, device: torch.device) -> str:
-    """"triton" or "torch": the grouped kernel that ``kernel`` picks on ``device`` (benchmark records name it)."""
-    return "triton" if pick_grouped(kernel, device) is grouped_attention_triton else "torch"
+    """"triton", "cpu" or "torch": the grouped kernel that ``kernel`` picks on ``device`` (records name it;
+    the C kernel hands inputs other than float32 to the PyTorch path)."""
+    fn = pick_grouped(kernel, device)
+    return {grouped_attention_triton: "triton", grouped_cpu.grouped_attention_cpu: "cpu"}.get(fn, "torch")
 
 
 def kernels() -> ModuleType:

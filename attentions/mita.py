@@ -10,21 +10,25 @@ and O((m + k) N) memory: building the experts is O(m N D), each query then costs
 experts_per_query = E > 1 follows the authors' variant: each query goes to its E best landmarks
 (top-E of q . L_j) and each expert keeps k // E keys, all in one softmax with the m landmark logits;
 a key in two of a query's experts counts twice. shared_expert = False drops the landmark logits.
-The fast path groups queries by expert (attentions/grouped.py); ``reference`` is the plain form.
+The fast path groups queries by expert (attentions/grouped.py; on the CPU the C kernel of
+grouped_cpu.py, which reads the expert keys by index); ``reference`` is the plain form.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional, Tuple
 
 import torch
 
 from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs, in_batch_chunks
 from .grouped import gather_rows, merge
+from .grouped_cpu import grouped_attention_cpu
 from .grouped_triton import check_kernel, kernel_name, pick_grouped
 from .masking import pool_real, real_key_mask
 from .registry import register
+from .select import topk_unsorted
 
 # routing scores [B, H, chunk, m] computed at once, in elements (bounds memory, not results)
 ROUTE_ELEMENTS = 1 << 22
@@ -40,8 +44,9 @@ class MiTAConfig:
     shared_expert: bool = True
     # E: routed experts per query; each keeps topk // E keys
     experts_per_query: int = 1
-    # grouped attention kernels: "torch", "triton" (CUDA, or CPU under TRITON_INTERPRET=1), or
-    # "auto" (Triton on CUDA when installed, as validated and timed on an H200; PyTorch elsewhere)
+    # grouped attention kernels: "torch", "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "cpu"
+    # (the C kernel, float32 on the CPU), or "auto" (Triton on CUDA when installed, as validated and
+    # timed on an H200; the C kernel on the CPU where it builds; PyTorch otherwise)
     kernel: str = "auto"
 
 
@@ -102,7 +107,7 @@ def landmark_scores(
 def top_keys(scores: torch.Tensor, keys: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The choice of step 2: each landmark's ``keys`` best keys [B, H, m, keys] (in no order) and
     which of them are real keys."""
-    top, index = scores.detach().topk(keys, dim=-1, sorted=False)  # [B, H, m, keys]
+    top, index = topk_unsorted(scores.detach(), keys)  # [B, H, m, keys]
     return index, torch.isfinite(top)
 
 
@@ -231,8 +236,15 @@ class MiTAAttention(Attention):
         # step 5: routed experts [B*H*m, keys, D] read once from k and v; queries grouped by expert
         heads = torch.arange(b * h, device=q.device)[:, None]  # [B*H, 1]
         rows = (index.view(b * h, m * keys) + heads * n).view(b * h * m, keys)
-        expert_k = gather_rows(k.reshape(b * h * n, d), rows)
-        expert_v = gather_rows(v.reshape(b * h * n, d), rows)
+        grouped_attention = pick_grouped(cfg.kernel, q.device)
+        if grouped_attention is grouped_attention_cpu:
+            # the C kernel reads the expert keys by index: no gathered tables; a head's m experts
+            # share key rows, so its threads take whole heads
+            grouped_attention = partial(grouped_attention_cpu, rows=rows, unit=m)
+            expert_k, expert_v = k.reshape(b * h * n, d), v.reshape(b * h * n, d)
+        else:
+            expert_k = gather_rows(k.reshape(b * h * n, d), rows)
+            expert_v = gather_rows(v.reshape(b * h * n, d), rows)
         # (on the CPU a check costs nothing, so all-real masks are dropped; on CUDA they stay, no sync)
         on_cpu = not q.is_cuda
         expert_ok = None if mask is None or (on_cpu and bool(key_ok.all())) else key_ok.view(b * h * m, keys)
@@ -244,7 +256,6 @@ class MiTAAttention(Attention):
         q_rows = q.reshape(b * h * n, d)
         scale = 1 / math.sqrt(d)
         first = expert[..., 0].flatten()
-        grouped_attention = pick_grouped(cfg.kernel, q.device)
         out, lse = grouped_attention(q_rows, first, expert_k, expert_v, expert_ok, scale, per_query > 1, shared)
         if per_query == 1:
             return out.view(b, h, n, d)

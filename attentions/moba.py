@@ -7,7 +7,8 @@ and takes one of the topk slots, so the defaults (block_size = 64, topk = 2) giv
 own block plus one chosen block: 2 x 64 = 128 keys. Cost: O(N^2 D / block_size) for the gate plus
 O(N topk block_size D) for the attention; memory linear in N (queries are gated in chunks, and
 no N x N matrix is built).
-The fast path groups (query, block) pairs by block (attentions/grouped.py).
+The fast path groups (query, block) pairs by block (attentions/grouped.py, or the C kernel of
+grouped_cpu.py on the CPU).
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ class MoBAConfig:
     topk: int = 2
     # always attend to the query's own block (it takes one of the topk slots)
     include_own_block: bool = True
-    # grouped attention kernels: "torch", "triton" (CUDA, or CPU under TRITON_INTERPRET=1), or
-    # "auto" (Triton on CUDA when installed, as validated and timed on an H200; PyTorch elsewhere)
+    # grouped attention kernels: "torch", "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "cpu"
+    # (the C kernel, float32 on the CPU), or "auto" (Triton on CUDA when installed, as validated and
+    # timed on an H200; the C kernel on the CPU where it builds; PyTorch otherwise)
     kernel: str = "auto"
 
 

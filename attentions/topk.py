@@ -3,7 +3,9 @@
 Each query keeps its own k highest-scoring real keys and takes a softmax over those k only. Scores
 are built for a chunk of queries at a time, so memory is O(chunk N) instead of O(N^2); training
 keeps only each query's k chosen indices and weights, O(N k), and the backward rebuilds the sparse
-rows from them (no second top-k). Time stays O(N^2 D): every query still scores every key. One
+rows from them (no second top-k); on the CPU in float32 the selection and the products with the
+k chosen rows run on C kernels (select.py, sparse.py) and no [C, N] rows are rebuilt. Time
+stays O(N^2 D): every query still scores every key. One
 query attends to k keys: 64 at the Config default, 128 in configs/attn/topk.yaml (all real keys,
 i.e. full attention, when N <= k).
 """
@@ -15,8 +17,10 @@ from typing import Optional
 
 import torch
 
+from . import sparse
 from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
 from .registry import register
+from .select import topk_unsorted
 
 
 @dataclass
@@ -40,6 +44,17 @@ def reference(
     return scores.masked_fill(~keep, float("-inf")).softmax(dim=-1) @ v
 
 
+def _select(q: torch.Tensor, k_t: torch.Tensor, key_bias: Optional[torch.Tensor], keys: int):
+    """Scores of a chunk q [B, H, C, D] against k_t [B, H, D, N], each query's ``keys`` best:
+    indices [B, H, C, k] and softmax weights (float32 at least, then the scores' dtype)."""
+    scores = (q * (1 / math.sqrt(q.shape[-1]))) @ k_t  # [B, H, C, N]
+    if key_bias is not None:
+        scores += key_bias
+    top, index = topk_unsorted(scores, keys)  # [B, H, C, k]
+    weights = top.softmax(dim=-1, dtype=torch.promote_types(top.dtype, torch.float32)).to(top.dtype)
+    return index, weights
+
+
 class TopKChunk(torch.autograd.Function):
     """Top-k attention of a chunk of queries q [B, H, C, D] over all keys -> [B, H, C, D].
 
@@ -52,17 +67,12 @@ class TopKChunk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_t, v, key_bias, keys: int):
         with torch.autocast(q.device.type, enabled=False):
-            scale = 1 / math.sqrt(q.shape[-1])
-            scores = (q * scale) @ k_t  # [B, H, C, N]
-            if key_bias is not None:
-                scores += key_bias
-            top, index = scores.topk(keys, dim=-1, sorted=False)  # [B, H, C, k]
-            # the softmax in float32 at least (bf16 scores under autocast), weights in the scores' dtype
-            weights = top.softmax(dim=-1, dtype=torch.promote_types(top.dtype, torch.float32)).to(top.dtype)
-            # the k weights laid back into the [C, N] rows: one dense matmul beats gathering k values
-            out = scores.zero_().scatter_(-1, index, weights) @ v
+            index, weights = _select(q, k_t, key_bias, keys)
+            # the k weights laid into [C, N] rows: in torch one dense matmul beats gathering k values
+            rows = torch.zeros(*index.shape[:-1], k_t.shape[-1], dtype=q.dtype, device=q.device)  # [B, H, C, N]
+            out = rows.scatter_(-1, index, weights) @ v
         ctx.save_for_backward(q, k_t, v, index, weights)
-        ctx.scale = scale
+        ctx.scale = 1 / math.sqrt(q.shape[-1])
         return out
 
     @staticmethod
@@ -81,6 +91,36 @@ class TopKChunk(torch.autograd.Function):
             d_q = d_scores @ k_t.transpose(-1, -2)  # [B, H, C, D]
             d_k_t = q.transpose(-1, -2).contiguous() @ d_scores  # [B, H, D, N]
         return d_q, d_k_t, d_v, None, None
+
+
+class TopKChunkSparse(torch.autograd.Function):
+    """TopKChunk with the k chosen rows read by index (attentions/sparse.py, float32 on the CPU):
+    out = sum_j p_j v_{idx_j}; backward d p_j = d_out . v_{idx_j}, dq = sum_j d s_j k_{idx_j} scale,
+    and dk, dv added into the chosen rows. No [C, N] rows are built after the selection."""
+
+    @staticmethod
+    def forward(ctx, q, k_t, k_rows, v, key_bias, keys: int):
+        b, h, c, d = q.shape
+        n = k_t.shape[-1]
+        with torch.autocast(q.device.type, enabled=False):
+            index, weights = _select(q, k_t, key_bias, keys)
+        index, weights = index.view(b * h * c, keys), weights.view(b * h * c, keys)
+        out = sparse.mix_rows(weights, index, v.view(b * h * n, d), c, n)  # [B*H*C, D]
+        ctx.save_for_backward(q, k_rows, v, index, weights)
+        return out.view(b, h, c, d)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k_rows, v, index, weights = ctx.saved_tensors
+        b, h, c, d = q.shape
+        n = v.shape[2]
+        d_out = d_out.to(q.dtype).reshape(b * h * c, d)
+        d_p = sparse.dot_rows(d_out, index, v.view(b * h * n, d), c, n)  # [B*H*C, k]
+        d_s = weights * (d_p - (weights * d_p).sum(dim=-1, keepdim=True)) * (1 / math.sqrt(d))
+        d_q = sparse.mix_rows(d_s, index, k_rows.view(b * h * n, d), c, n).view(b, h, c, d)
+        d_k = sparse.scatter_outer(d_s, index, q.reshape(b * h * c, d), torch.zeros_like(k_rows).view(-1, d), c, n)
+        d_v = sparse.scatter_outer(weights, index, d_out, torch.zeros_like(v).view(-1, d), c, n)
+        return d_q, None, d_k.view_as(k_rows), d_v.view_as(v), None, None
 
 
 @register("topk")
@@ -105,6 +145,11 @@ class TopKAttention(Attention):
         if cfg.chunk_size < 1:
             raise AttentionError(f"topk attention needs chunk_size >= 1 (queries scored at once), got {cfg.chunk_size}")
 
+    @classmethod
+    def implementation(cls, cfg: TopKConfig, device: torch.device) -> str:
+        probe = torch.empty(0, device=device)
+        return f"attentions.topk ({'C' if sparse.available(probe) else 'torch'} kernels for selection and k-row products)"
+
     def budget(self) -> str:
         return f"k = {self.cfg.topk}"
 
@@ -127,8 +172,11 @@ class TopKAttention(Attention):
         # one dtype for the chunks (under autocast q, k, v may differ); k transposed once, contiguous
         k_t = k.to(q.dtype).transpose(-1, -2).contiguous()  # [B, H, D, N]
         v = v.to(q.dtype)
-        outs = [
-            TopKChunk.apply(q[:, :, start : start + self.cfg.chunk_size], k_t, v, key_bias, keys)
-            for start in range(0, q.shape[2], self.cfg.chunk_size)
-        ]
+        chunks = range(0, q.shape[2], self.cfg.chunk_size)
+        if sparse.available(q):
+            k_rows, v = k.to(q.dtype).contiguous(), v.contiguous()  # [B, H, N, D]
+            outs = [TopKChunkSparse.apply(q[:, :, s : s + self.cfg.chunk_size], k_t, k_rows, v, key_bias, keys)
+                    for s in chunks]
+        else:
+            outs = [TopKChunk.apply(q[:, :, s : s + self.cfg.chunk_size], k_t, v, key_bias, keys) for s in chunks]
         return torch.cat(outs, dim=2)

@@ -17,9 +17,9 @@ rows within tolerance and fails when fewer than MIN_AGREEING are or the median r
     python scripts/device_check.py --out results/device-check   # default device: cuda
 
 Backends with a ``kernel`` option (MiTA, MoBA) get one row per kernel, ``mita[torch]`` and
-``mita[triton]``, each against the CPU float32 result of the PyTorch kernel. On the CPU the Triton
+``mita[triton]``, ``mita[cpu]``, each against the CPU float32 result of the PyTorch kernel. On the CPU the Triton
 rows run only under Triton's interpreter (TRITON_INTERPRET=1, set before Python starts) and are
-skipped otherwise.
+skipped otherwise; the ``cpu`` rows (the C kernel) run on the CPU only.
 
 ``--device cpu`` runs the same comparison on the CPU, which is how the test suite exercises this
 script without an accelerator. CPU autocast keeps softmax, exp, sum and the other reductions in
@@ -42,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from attentions import build_attention, get_attention, list_attentions  # noqa: E402
+from attentions.grouped_triton import KERNELS  # noqa: E402
 from attentions.registry import config_fields  # noqa: E402
 from attentions.check import Sizes, padding_mask, real_lengths  # noqa: E402
 from lra.machine import hardware, versions  # noqa: E402
@@ -129,6 +130,12 @@ def rows_to_check(names: List[str], kernels: List[str]) -> List[Dict[str, Option
 
 def skip_reason(kernel: Optional[str], device: torch.device) -> Optional[str]:
     """Why a row cannot run here, or None."""
+    if kernel == "cpu":
+        from attentions import grouped_cpu, native
+
+        if device.type != "cpu":
+            return "the C kernel runs on CPU tensors"
+        return None if grouped_cpu.available() else f"C kernel not built: {native.why_not(grouped_cpu.LIBRARY)}"
     if kernel != "triton":
         return None
     from attentions.grouped_triton import interpreting, triton_installed
@@ -226,8 +233,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--length", type=int, default=256, help="sequence length of the comparison (default 256)")
     parser.add_argument("--flash-length", type=int, default=4096, help="length of the SDPA-flash check on CUDA")
     parser.add_argument("--attn", default="", help="comma-separated backends (default: every registered one)")
-    parser.add_argument("--kernels", default="torch,triton",
-                        help="kernels of the backends that have a kernel option (default torch,triton)")
+    parser.add_argument("--kernels", default="torch,triton,cpu",
+                        help="kernels of the backends that have a kernel option (default torch,triton,cpu)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="", help="folder for check.json and check.md (default: print only)")
     args = parser.parse_args(argv)
@@ -241,8 +248,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: unknown backend(s) {', '.join(unknown)}; valid: {', '.join(list_attentions())}", file=sys.stderr)
         return 2
     kernels = [k for k in args.kernels.split(",") if k]
-    if sorted(set(kernels) - {"auto", "torch", "triton"}):
-        print(f"error: unknown kernel(s) in {args.kernels!r}; valid: auto, torch, triton", file=sys.stderr)
+    if sorted(set(kernels) - set(KERNELS)):
+        print(f"error: unknown kernel(s) in {args.kernels!r}; valid: {', '.join(KERNELS)}", file=sys.stderr)
         return 2
     results = []
     # the header, then each row as its check ends: the table is printed once, as it grows

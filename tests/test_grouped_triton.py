@@ -82,10 +82,9 @@ def run_grouped(fn, case: tuple, dtype: torch.dtype, rounded: bool = False):
     return out, lse, torch.autograd.grad(loss, tensors)
 
 
-@needs_triton
-@pytest.mark.parametrize("case", GROUPED_CASES.values(), ids=GROUPED_CASES.keys())
-def test_matches_torch_path_float32(case: tuple) -> None:
-    out, lse, grads = run_grouped(grouped_attention_triton, case, torch.float32)
+def check_grouped_against_torch_path(fn, case: tuple) -> None:
+    """A grouped kernel ``fn`` against the PyTorch path in float32: out, lse and every gradient."""
+    out, lse, grads = run_grouped(fn, case, torch.float32)
     ref_out, ref_lse, ref_grads = run_grouped(grouped_attention, case, torch.float32)
     assert rel_err(out, ref_out) < 1e-5
     if case[-1]:
@@ -93,6 +92,12 @@ def test_matches_torch_path_float32(case: tuple) -> None:
         assert rel_err(lse.nan_to_num(neginf=0), ref_lse.nan_to_num(neginf=0)) < 1e-5
     for name, g, r in zip(["q", "keys", "values", "shared keys", "shared values"], grads, ref_grads):
         assert rel_err(g, r) < 1e-5, f"d({name}) differs"
+
+
+@needs_triton
+@pytest.mark.parametrize("case", GROUPED_CASES.values(), ids=GROUPED_CASES.keys())
+def test_matches_torch_path_float32(case: tuple) -> None:
+    check_grouped_against_torch_path(grouped_attention_triton, case)
 
 
 BF16_CASES = ["P200-X12-S20-D16-M10-group4-masked-lse", "P130-X6-S70-D24-M72-group3-lse"]
@@ -112,15 +117,20 @@ def test_bf16_is_as_close_to_exact_as_the_torch_path(case: tuple) -> None:
         assert rel_err(g.double(), r) < max(2 * rel_err(t.double(), r), 1e-2), f"d({name})"
 
 
-@needs_triton
-def test_an_expert_with_every_key_masked_gives_zeros_not_nan() -> None:
+def check_all_masked_expert(fn) -> None:
+    """An expert whose keys are all masked gives its pairs out 0, lse -inf and finite gradients."""
     tensors, expert, key_ok, shared = grouped_inputs(GROUPED_CASES["P67-X5-S16-D16-masked"], torch.float32)
     key_ok[2] = False
-    out, lse = grouped_attention_triton(tensors[0], expert, tensors[1], tensors[2], key_ok, 0.3, True)
+    out, lse = fn(tensors[0], expert, tensors[1], tensors[2], key_ok, 0.3, True)
     (out.sum() + lse[lse.isfinite()].sum()).backward()
     assert torch.equal(out[expert == 2], torch.zeros_like(out[expert == 2]))
     assert bool((lse[expert == 2] == float("-inf")).all())
     assert all(bool(t.grad.isfinite().all()) for t in tensors)
+
+
+@needs_triton
+def test_an_expert_with_every_key_masked_gives_zeros_not_nan() -> None:
+    check_all_masked_expert(grouped_attention_triton)
 
 
 # (B, H, N, D, real lengths or None, Config overrides)
@@ -173,16 +183,20 @@ BACKEND_CASES = [pytest.param("mita", c, id=f"mita-{i}") for i, c in MITA_CASES.
 ]
 
 
+def check_backend_kernel(name: str, case: tuple, kernel: str) -> None:
+    """The backend on ``kernel`` against its "torch" kernel and its reference: out, dq, dk, dv."""
+    run = outputs_and_grads(name, case, kernel, torch.float32)
+    torch_run = outputs_and_grads(name, case, "torch", torch.float32)
+    for label, got, by_torch, ref in zip(["out", "dq", "dk", "dv"], run[kernel], torch_run["torch"], run["reference"]):
+        assert rel_err(got, by_torch) < 1e-5, f"{label}: {kernel} vs torch kernel"
+        assert rel_err(got, ref) < 1e-4, f"{label}: {kernel} vs reference"
+        assert got.abs().sum() > 0, f"{label} is all zeros"
+
+
 @needs_triton
 @pytest.mark.parametrize("name, case", BACKEND_CASES)
 def test_backend_with_triton_kernel_matches_torch_kernel_and_reference(name: str, case: tuple) -> None:
-    triton_run = outputs_and_grads(name, case, "triton", torch.float32)
-    torch_run = outputs_and_grads(name, case, "torch", torch.float32)
-    for label, got, kernel, ref in zip(["out", "dq", "dk", "dv"], triton_run["triton"], torch_run["torch"],
-                                       triton_run["reference"]):
-        assert rel_err(got, kernel) < 1e-5, f"{label}: triton vs torch kernel"
-        assert rel_err(got, ref) < 1e-4, f"{label}: triton vs reference"
-        assert got.abs().sum() > 0, f"{label} is all zeros"
+    check_backend_kernel(name, case, "triton")
 
 
 @needs_triton
@@ -217,7 +231,7 @@ def test_float32_inputs_under_autocast_match_torch_kernel(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["mita", "moba"])
 def test_unknown_kernel_names_the_valid_ones(name: str) -> None:
-    with pytest.raises(AttentionError, match=rf"{name} kernel='cuda' is not one of auto, torch, triton"):
+    with pytest.raises(AttentionError, match=rf"{name} kernel='cuda' is not one of auto, torch, triton, cpu"):
         build_attention(name, num_heads=2, head_dim=16, max_len=64, kernel="cuda")
 
 
@@ -242,7 +256,7 @@ def test_auto_is_triton_on_cuda_only_and_is_the_yaml_default() -> None:
     from lra.config import resolve
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert pick_grouped("auto", cpu) is grouped_attention and pick_grouped("torch", cuda) is grouped_attention
+    assert pick_grouped("torch", cpu) is grouped_attention and pick_grouped("torch", cuda) is grouped_attention
     assert pick_grouped("auto", cuda) is grouped_attention_triton
     assert pick_grouped("triton", cpu) is grouped_attention_triton
     for name in ("mita", "moba"):

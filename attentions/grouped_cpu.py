@@ -1,0 +1,163 @@
+"""Grouped attention on a compiled C kernel for the CPU (grouped_cpu.c): ``grouped_attention`` of
+grouped.py (same arguments, same results up to float rounding) for float32 CPU tensors.
+
+The PyTorch path runs each tile of queries as a few small batched matmuls, with the tables gathered
+into tiles and scattered back; at LRA's lengths (an expert holds ~16 queries at N = 1K) those
+small operations, not the arithmetic, set its time. The C kernel walks the experts instead: it
+copies an expert's keys and values (read by index, ``rows``) into buffers that stay in the L1
+cache, runs each of its queries through one softmax over the shared and routed keys, and in the
+backward adds the expert's key gradients back once. The softmax rows are kept for the backward
+when they fit in SAVE_ELEMENTS (grouped.py); otherwise the backward recomputes them from the
+saved log-sum-exp (as flash attention does), and the kernel keeps O(P) floats.
+
+Other dtypes (bf16 under autocast) and CUDA tensors take the PyTorch path; a machine where the
+kernel cannot be built (no C compiler) has ``available() == False`` and the backends' "auto"
+keeps the PyTorch path there (attentions/native.py says why).
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from . import native
+from .base import AttentionError
+from .grouped import SAVE_ELEMENTS, gather_rows, grouped_attention
+
+LIBRARY = "grouped_cpu"
+_f, _i64 = ctypes.c_float, ctypes.c_int64
+
+
+class Grouped(ctypes.Structure):
+    """The kernel's argument block (``Grouped`` in grouped_cpu.c, field for field)."""
+
+    _fields_ = [(name, _i64) for name in ("experts", "S", "D", "M", "group", "unit", "threads")] + [
+        ("scale", _f)] + [(name, ctypes.c_void_p) for name in (
+            "q", "order", "offsets", "keys", "values", "rows", "key_ok", "skeys", "svalues", "sok", "out", "lse",
+            "probs", "dout", "offset", "dq", "dkeys", "dvalues", "dskeys", "dsvalues")]
+
+
+def library() -> Optional[ctypes.CDLL]:
+    lib = native.load(LIBRARY)
+    if lib is not None and not hasattr(lib, "_typed"):
+        for fn in (lib.grouped_forward, lib.grouped_backward):
+            fn.argtypes, fn.restype = [ctypes.POINTER(Grouped)], ctypes.c_int
+        lib._typed = True
+    return lib
+
+
+def available() -> bool:
+    """Whether the C kernel is built and loaded on this machine (builds it on the first call)."""
+    return library() is not None
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def _call(fn_name: str, args: Grouped) -> None:
+    if getattr(library(), fn_name)(ctypes.byref(args)) != 0:
+        raise MemoryError("the grouped CPU kernel could not allocate its per-thread buffers")
+
+
+class GroupedAttentionCPU(torch.autograd.Function):
+    """softmax(scale q K_e^T) V_e for each pair with its log-sum-exp, on grouped_cpu.c."""
+
+    @staticmethod
+    def forward(ctx, q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets,
+                group: int, scale: float, unit: int, with_lse: bool):
+        x, s = rows.shape if rows is not None else keys.shape[:2]
+        m = 0 if shared_keys is None else shared_keys.shape[1]
+        out = torch.zeros_like(q)  # [P, D]; a pair with no expert keeps 0 ...
+        lse = torch.full(q.shape[:1], float("-inf"), dtype=q.dtype)  # [P] ... and -inf
+        # the softmax rows [P, M + S] are kept for the backward when they fit (else recomputed)
+        probs = q.new_empty(q.shape[0], m + s) if q.shape[0] * (m + s) <= SAVE_ELEMENTS else None
+        args = Grouped(
+            experts=x, S=s, D=q.shape[1], M=m, group=group, unit=unit, threads=torch.get_num_threads(), scale=scale,
+            q=_ptr(q), order=_ptr(order), offsets=_ptr(offsets), keys=_ptr(keys), values=_ptr(values), rows=_ptr(rows),
+            key_ok=_ptr(key_ok), skeys=_ptr(shared_keys), svalues=_ptr(shared_values), sok=_ptr(shared_ok),
+            out=_ptr(out), lse=_ptr(lse), probs=_ptr(probs),
+        )
+        _call("grouped_forward", args)
+        ctx.save_for_backward(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, out, lse,
+                              order, offsets, probs)
+        ctx.args, ctx.with_lse = args, with_lse
+        return out, lse if with_lse else q.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, d_out: torch.Tensor, d_lse: torch.Tensor):
+        q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, out, lse, order, offsets, _ = (
+            ctx.saved_tensors)
+        d_out = d_out.to(q.dtype).contiguous()
+        # d_logits = p * (d_out . v + offset), offset = d_lse - d_out . out  [P]
+        offset = (d_out * out).sum(-1).neg_()
+        if ctx.with_lse and d_lse is not None:
+            offset += d_lse
+        dq = torch.empty_like(q)
+        d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)
+        d_shared_keys = None if shared_keys is None else torch.zeros_like(shared_keys)
+        d_shared_values = None if shared_values is None else torch.zeros_like(shared_values)
+        # pairs with no expert are outside every expert's run: their dq is set here
+        dq[order[offsets[-1]:]] = 0.0
+        args = ctx.args
+        # the saved tensors are the forward's own (no copies): the forward's pointers still hold
+        args.dout, args.offset, args.dq = _ptr(d_out), _ptr(offset), _ptr(dq)
+        args.dkeys, args.dvalues = _ptr(d_keys), _ptr(d_values)
+        args.dskeys, args.dsvalues = _ptr(d_shared_keys), _ptr(d_shared_values)
+        _call("grouped_backward", args)
+        return dq, d_keys, d_values, d_shared_keys, d_shared_values, *[None] * 9
+
+
+def _sort_by_expert(expert: torch.Tensor, num_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pairs sorted by expert (those with no expert, number X, last) and each expert's run: expert x
+    owns order[offsets[x]:offsets[x + 1]]. [P] -> [P], [X + 1]."""
+    order = torch.argsort(expert, stable=True)  # [P]
+    counts = torch.bincount(expert, minlength=num_experts + 1)[:num_experts]  # [X]
+    return order, F.pad(torch.cumsum(counts, 0), (1, 0))
+
+
+def fits(q: torch.Tensor) -> bool:
+    """Whether the C kernel takes these inputs: float32 CPU tensors, with the kernel built here."""
+    return q.device.type == "cpu" and q.dtype == torch.float32 and available()
+
+
+def grouped_attention_cpu(
+    q: torch.Tensor,
+    expert: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_ok: Optional[torch.Tensor],
+    scale: float,
+    with_lse: bool = False,
+    shared: Optional[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]] = None,
+    rows: Optional[torch.Tensor] = None,
+    unit: int = 1,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """grouped.grouped_attention on the C kernel: the same arguments and results (see there), and
+    the expert keys read by index: with ``rows`` [X, S] long, keys and values are [R, D] tables
+    and expert x holds rows[x]; ``unit``: experts of different runs of ``unit`` experts share no
+    key row (a thread takes whole runs; 1 without rows). Inputs the kernel does not take (not
+    float32, not on the CPU) go to the PyTorch path."""
+    if not fits(q):
+        if rows is not None:
+            keys, values = gather_rows(keys, rows), gather_rows(values, rows)  # [X, S, D]
+        return grouped_attention(q, expert, keys, values, key_ok, scale, with_lse, shared)
+    shared_keys, shared_values, shared_ok, group = shared if shared is not None else (None, None, None, 1)
+    experts = rows.shape[0] if rows is not None else keys.shape[0]
+    if shared_keys is not None and shared_keys.shape[0] * group < experts:
+        raise AttentionError(f"{shared_keys.shape[0]} shared tables in groups of {group} cover fewer than the "
+                             f"{experts} experts")
+    if rows is None and unit % group:
+        unit = unit * group
+    # one dtype, contiguous; masks as bytes
+    keys, values = keys.to(q.dtype).contiguous(), values.to(q.dtype).contiguous()
+    if shared_keys is not None:
+        shared_keys, shared_values = shared_keys.to(q.dtype).contiguous(), shared_values.to(q.dtype).contiguous()
+    key_ok = None if key_ok is None else key_ok.contiguous().view(torch.uint8)
+    shared_ok = None if shared_ok is None else shared_ok.contiguous().view(torch.uint8)
+    rows = None if rows is None else rows.contiguous()
+    order, offsets = _sort_by_expert(expert, experts)
+    return GroupedAttentionCPU.apply(q.contiguous(), keys, values, shared_keys, shared_values, rows, key_ok, shared_ok,
+                                     order, offsets, group, scale, unit, with_lse)

@@ -1,0 +1,103 @@
+"""Compiled C kernels for the CPU: built from the package's .c files with the system C compiler on
+first use, cached per source, compiler flags and CPU, and loaded with ctypes.
+
+No Python build step and no torch headers: ``cc -O3 -march=native -fopenmp -shared`` takes about a second.
+A machine without a C compiler (or where the build fails) simply has no native kernels:
+``load`` returns None and says why in ``why_not``; the backends then keep their PyTorch path.
+LRA_KERNEL_CACHE sets the cache folder (default ~/.cache/lra-suite/kernels).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional
+
+SOURCES = Path(__file__).resolve().parent
+# -march=native: the library is built on, and cached for, the CPU that runs it; -fopenmp: the
+# kernels' threads come from the OpenMP runtime torch has loaded (libgomp.so.1 on Linux wheels), so
+# they do not fight torch's own spinning worker threads for the cores
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+# tried in turn: a compiler that refuses -march=native (some ARM clang builds) or has no OpenMP
+# (Apple clang) still builds the kernels, single-threaded without OpenMP
+FALLBACK_FLAGS = [
+    [f for f in FLAGS if f != "-march=native"],
+    [f for f in FLAGS if f not in ("-march=native", "-fopenmp")],
+]
+
+_loaded: Dict[str, Optional[ctypes.CDLL]] = {}
+_why_not: Dict[str, str] = {}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LRA_KERNEL_CACHE") or Path.home() / ".cache" / "lra-suite" / "kernels")
+
+
+def compiler() -> Optional[str]:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def cpu_identity() -> str:
+    """What -march=native depends on: the CPU model and its feature flags (Linux), else the platform."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() + platform.machine()
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _build(source: Path, cc: str, target: Path) -> str:
+    """Compile ``source`` into ``target`` (atomically: a temporary file renamed); '' or the error."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    errors: List[str] = []
+    for flags in (FLAGS, *FALLBACK_FLAGS):
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
+            if done.returncode == 0:
+                os.chmod(tmp, 0o755)
+                os.replace(tmp, target)
+                return ""
+            errors.append(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}")
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return "; ".join(errors)
+
+
+def load(name: str) -> Optional[ctypes.CDLL]:
+    """The library built from ``<name>.c`` beside this file, or None when it cannot be built here."""
+    if name in _loaded:
+        return _loaded[name]
+    source = SOURCES / f"{name}.c"
+    cc = compiler()
+    lib = None
+    if cc is None:
+        _why_not[name] = f"no C compiler found ({os.environ.get('CC', 'cc')!r} is not on PATH; set CC)"
+    else:
+        # the source, the headers it may include, the compiler, the flags and the CPU
+        text = b"".join(path.read_bytes() for path in [source, *sorted(SOURCES.glob("*.h"))])
+        key = hashlib.sha256(text + " ".join([cc, *FLAGS, cpu_identity()]).encode()).hexdigest()[:16]
+        target = cache_dir() / f"{name}-{key}.so"
+        try:
+            error = "" if target.exists() else _build(source, cc, target)
+            if error:
+                _why_not[name] = f"building {source.name} with {cc} failed: {error}"
+            else:
+                lib = ctypes.CDLL(str(target))
+        except OSError as err:
+            _why_not[name] = f"building or loading {source.name} in {target.parent} failed: {err}"
+    _loaded[name] = lib
+    return lib
+
+
+def why_not(name: str) -> str:
+    """Why ``load(name)`` gave None ('' when it loaded or was not tried)."""
+    return _why_not.get(name, "")

@@ -1,0 +1,16 @@
+/* Eight-float vectors for the CPU kernels (GCC and Clang vector extensions: AVX on x86-64 with
+ * -march=native, two NEON registers on ARM), so the hot loops keep their accumulators in registers
+ * instead of leaving the layout to the auto-vectoriser. */
+#ifndef LRA_VEC_H
+#define LRA_VEC_H
+
+typedef float v8 __attribute__((vector_size(32)));
+/* the same, at any float alignment: loads and stores of table rows */
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+
+static inline v8 load8(const float *p) { return *(const v8u *)p; }
+static inline void store8(float *p, v8 x) { *(v8u *)p = x; }
+static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+static inline float sum8(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
+
+#endif

@@ -1,0 +1,189 @@
+"""The C kernels for the CPU (attentions/native.py builds them): the grouped attention kernel of
+MiTA and MoBA (grouped_cpu.py), the top-k selection (select.py) and the products with chosen rows
+(sparse.py) against their PyTorch references: outputs and q/k/v gradients, padding, empty
+experts, a pair with no expert, ties and infinities; and what happens where they cannot be built."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attentions import AttentionError, build_attention, grouped_cpu, native, sparse, topk
+from attentions.grouped import grouped_attention
+from attentions.grouped_cpu import grouped_attention_cpu
+from attentions.grouped_triton import pick_grouped
+from attentions.select import native_selection, topk_unsorted
+from conftest import lengths_mask, rel_err
+from test_grouped_triton import (BACKEND_CASES, GROUPED_CASES, check_all_masked_expert, check_backend_kernel,
+                                 check_grouped_against_torch_path, outputs_and_grads, run_grouped)
+
+needs_kernels = pytest.mark.skipif(not grouped_cpu.available(), reason="the C kernels do not build here (no C compiler)")
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", GROUPED_CASES.values(), ids=GROUPED_CASES.keys())
+def test_grouped_kernel_matches_torch_path(case: tuple) -> None:
+    check_grouped_against_torch_path(grouped_attention_cpu, case)
+
+
+@needs_kernels
+def test_grouped_kernel_reads_keys_by_index_like_gathered_tables() -> None:
+    # rows [X, S] into [R, D] tables (MiTA's layout: a key in several experts) against the gathered copies
+    gen = torch.Generator().manual_seed(0)
+    p, x, s, d, rows_in_table = 300, 12, 16, 16, 40
+    q, table_k, table_v = (torch.randn(n, d, generator=gen).requires_grad_() for n in (p, rows_in_table, rows_in_table))
+    rows = torch.randint(0, rows_in_table, (x, s), generator=gen)
+    expert = torch.randint(0, x + 1, (p,), generator=gen)
+    outs = []
+    for by_index in (True, False):
+        if by_index:
+            out, _ = grouped_attention_cpu(q, expert, table_k, table_v, None, 0.25, rows=rows, unit=x)
+        else:
+            out, _ = grouped_attention(q, expert, table_k[rows], table_v[rows], None, 0.25)
+        weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        outs.append([out, *torch.autograd.grad((out * weight).sum(), [q, table_k, table_v])])
+    for label, got, ref in zip(["out", "dq", "dk", "dv"], *outs):
+        assert rel_err(got, ref) < 1e-5, label
+
+
+@needs_kernels
+def test_grouped_kernel_gives_the_same_bits_with_one_or_two_threads() -> None:
+    # each expert is one thread's, in a fixed order: the thread count cannot change a result
+    case = GROUPED_CASES["P1000-X16-S64-D32-M64-group8-lse"]
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(run_grouped(grouped_attention_cpu, case, torch.float32))
+    finally:
+        torch.set_num_threads(threads)
+    (out1, lse1, grads1), (out2, lse2, grads2) = results
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+    assert all(torch.equal(a, b) for a, b in zip(grads1, grads2))
+
+
+@needs_kernels
+def test_an_expert_with_every_key_masked_gives_zeros_not_nan() -> None:
+    check_all_masked_expert(grouped_attention_cpu)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name, case", BACKEND_CASES)
+def test_backend_with_cpu_kernel_matches_torch_kernel_and_reference(name: str, case: tuple) -> None:
+    check_backend_kernel(name, case, "cpu")
+
+
+@needs_kernels
+def test_bf16_inputs_take_the_torch_path() -> None:
+    # the C kernel is float32; other dtypes give exactly the PyTorch path's result
+    case = BACKEND_CASES[0].values[1]
+    got = outputs_and_grads("mita", case, "cpu", torch.bfloat16)["cpu"]
+    ref = outputs_and_grads("mita", case, "torch", torch.bfloat16)["torch"]
+    assert all(torch.equal(g, r) for g, r in zip(got, ref))
+
+
+def test_kernel_choice_and_its_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    with pytest.raises(AttentionError, match="kernel='cpu' runs on CPU tensors, these are on cuda"):
+        pick_grouped("cpu", torch.device("cuda"))
+    expected = grouped_attention_cpu if grouped_cpu.available() else grouped_attention
+    assert pick_grouped("auto", cpu) is expected
+    # a machine where the kernel cannot be built: "auto" keeps the PyTorch path, "cpu" says why
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_why_not", {})
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    assert pick_grouped("auto", cpu) is grouped_attention
+    assert not native_selection(torch.zeros(3, 4))
+    with pytest.raises(AttentionError, match=r"mita kernel='cpu' needs the C kernel.*no-such-compiler-here.*kernel='torch'"):
+        build_attention("mita", num_heads=2, head_dim=16, max_len=64, kernel="cpu")
+
+
+def test_a_failed_build_is_reported_and_leaves_no_file(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    source = tmp_path / "broken.c"
+    source.write_text("this is not C\n")
+    monkeypatch.setattr(native, "SOURCES", tmp_path)
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_why_not", {})
+    monkeypatch.setenv("LRA_KERNEL_CACHE", str(tmp_path / "cache"))
+    if native.compiler() is None:
+        pytest.skip("no C compiler")
+    assert native.load("broken") is None
+    assert "building broken.c" in native.why_not("broken") and "failed" in native.why_not("broken")
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def check_selection(x: torch.Tensor, k: int) -> None:
+    """topk_unsorted against torch.topk: the same values chosen, indices that point at them, no repeats."""
+    values, index = topk_unsorted(x, k)
+    ref = x.topk(k, dim=-1).values
+    assert torch.equal(x.gather(-1, index), values)
+    assert torch.equal(values.sort(-1, descending=True).values.nan_to_num(), ref.nan_to_num())
+    assert bool((index.sort(-1).values.diff(dim=-1) > 0).all()), "an index chosen twice"
+
+
+@needs_kernels
+@pytest.mark.parametrize("n, k", [(1024, 128), (1024, 64), (100, 7), (65, 64), (9, 1), (300, 299)])
+def test_selection_chooses_what_torch_topk_chooses(n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(40, n, generator=gen)
+    assert native_selection(x)
+    check_selection(x, k)
+    x[:5, n // 2:] = float("-inf")  # padded keys: some rows with fewer than k real ones
+    x[5:9] = 1.0  # every value tied
+    x[9, :3] = float("inf")
+    x[10] = torch.randint(0, 3, (n,), generator=gen).float()  # heavy ties at the boundary
+    x[11] = float("-inf")
+    x[12, ::2] = float("-inf")
+    check_selection(x, k)
+    # ties at the boundary go to the lower indices
+    _, index = topk_unsorted(torch.ones(1, n), k)
+    assert torch.equal(index.sort(-1).values, torch.arange(k)[None])
+
+
+@needs_kernels
+def test_selection_of_a_view_and_of_other_dtypes() -> None:
+    x = torch.randn(6, 50, 64).transpose(1, 2)  # not contiguous
+    check_selection(x, 10)
+    values, index = topk_unsorted(x.double(), 10)  # float64: torch.topk
+    assert values.dtype == torch.float64 and torch.equal(x.double().gather(-1, index), values)
+
+
+@needs_kernels
+@pytest.mark.parametrize("d", [32, 24, 5])
+def test_sparse_row_products_match_their_references(d: int) -> None:
+    gen = torch.Generator().manual_seed(d)
+    groups, n, per_group, k = 3, 50, 7, 9
+    w = torch.randn(groups * per_group, k, generator=gen)
+    x = torch.randn(groups * per_group, d, generator=gen)
+    table = torch.randn(groups * n, d, generator=gen)
+    idx = torch.randint(0, n, (groups * per_group, k), generator=gen)
+    assert rel_err(sparse.mix_rows(w, idx, table, per_group, n), sparse.reference_mix(w, idx, table, per_group, n)) < 1e-6
+    assert rel_err(sparse.dot_rows(x, idx, table, per_group, n), sparse.reference_dot(x, idx, table, per_group, n)) < 1e-6
+    got = sparse.scatter_outer(w, idx, x, torch.zeros_like(table), per_group, n)
+    assert rel_err(got, sparse.reference_scatter(w, idx, x, torch.zeros_like(table), per_group, n)) < 1e-6
+
+
+@needs_kernels
+@pytest.mark.parametrize("n, keys, chunk, lengths", [
+    (67, 8, 1024, [67, 30]), (64, 16, 24, None), (150, 128, 40, [150, 9]), (50, 8, 1024, [50, 5]),
+], ids=["N67-k8-masked", "N64-k16-chunks", "N150-k128-chunks-masked", "N50-k8-fewer-real-than-k"])
+def test_topk_sparse_path_matches_dense_path_and_reference(
+    monkeypatch: pytest.MonkeyPatch, n: int, keys: int, chunk: int, lengths
+) -> None:
+    torch.manual_seed(0)
+    mask = None if lengths is None else lengths_mask(lengths, n)
+    attn = build_attention("topk", num_heads=2, head_dim=16, max_len=n, topk=keys, chunk_size=chunk)
+    inputs = [torch.randn(2, 2, n, 16).requires_grad_() for _ in range(3)]
+    weight = torch.randn(2, 2, n, 16) * (1 if mask is None else mask[:, None, :, None])
+
+    def run(fn):
+        out = fn(*inputs, mask)
+        return [out * (weight != 0), *torch.autograd.grad((out * weight).sum(), inputs)]
+
+    fast = run(attn)
+    ref = run(lambda q, k, v, m: topk.reference(q, k, v, m, keys))
+    monkeypatch.setattr(sparse, "available", lambda x: False)
+    dense = run(attn)
+    for label, f, d, r in zip(["out", "dq", "dk", "dv"], fast, dense, ref):
+        assert rel_err(f, d) < 1e-5, f"{label}: sparse vs dense path"
+        assert rel_err(f, r) < 1e-5, f"{label}: sparse path vs reference"

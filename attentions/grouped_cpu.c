@@ -335,7 +335,8 @@ static int run(const Grouped *a, int backward) {
         work[t].backward = backward;
     }
     int failed = 0;
-    /* one share per thread of OpenMP (the libgomp that torch has loaded: its warm threads, no second pool spinning against it); one thread without -fopenmp */
+    /* one share per thread of OpenMP: the libgomp that torch has loaded, so its warm threads and no
+     * second pool spinning against them; one thread when built without -fopenmp */
 #pragma omp parallel for num_threads(threads) schedule(static, 1) reduction(| : failed)
     for (int64_t t = 0; t < threads; t++) failed |= run_work(&work[t]) != NULL;
     return failed;

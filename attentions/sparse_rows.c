@@ -105,7 +105,8 @@ static int run(Job job, int64_t rows, int64_t threads) {
         jobs[t].last = units * (t + 1) / threads * unit;
         jobs[t].last = jobs[t].last < rows ? jobs[t].last : rows;
     }
-    /* one share per thread of OpenMP (the libgomp that torch has loaded: its warm threads, no second pool spinning against it); one thread without -fopenmp */
+    /* one share per thread of OpenMP: the libgomp that torch has loaded, so its warm threads and no
+     * second pool spinning against them; one thread when built without -fopenmp */
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int64_t t = 0; t < threads; t++) run_job(&jobs[t]);
     return 0;

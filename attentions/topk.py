@@ -147,8 +147,8 @@ class TopKAttention(Attention):
 
     @classmethod
     def implementation(cls, cfg: TopKConfig, device: torch.device) -> str:
-        probe = torch.empty(0, device=device)
-        return f"attentions.topk ({'C' if sparse.available(probe) else 'torch'} kernels for selection and k-row products)"
+        kernels = "C" if sparse.available(torch.empty(0, device=device)) else "torch"
+        return f"attentions.topk ({kernels} kernels for selection and k-row products)"
 
     def budget(self) -> str:
         return f"k = {self.cfg.topk}"

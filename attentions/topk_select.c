@@ -149,7 +149,8 @@ int topk_rows(const float *x, int64_t rows, int64_t n, int64_t k, float *values,
         work[t] = (Rows){x, values, indices, n, k, rows * t / threads, rows * (t + 1) / threads};
     }
     int failed = 0;
-    /* one share per thread of OpenMP (the libgomp that torch has loaded: its warm threads, no second pool spinning against it); one thread without -fopenmp */
+    /* one share per thread of OpenMP: the libgomp that torch has loaded, so its warm threads and no
+     * second pool spinning against them; one thread when built without -fopenmp */
 #pragma omp parallel for num_threads(threads) schedule(static, 1) reduction(| : failed)
     for (int64_t t = 0; t < threads; t++) failed |= run_rows(&work[t]) != NULL;
     return failed;

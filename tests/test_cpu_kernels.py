@@ -16,7 +16,8 @@ from conftest import lengths_mask, rel_err
 from test_grouped_triton import (BACKEND_CASES, GROUPED_CASES, check_all_masked_expert, check_backend_kernel,
                                  check_grouped_against_torch_path, outputs_and_grads, run_grouped)
 
-needs_kernels = pytest.mark.skipif(not grouped_cpu.available(), reason="the C kernels do not build here (no C compiler)")
+needs_kernels = pytest.mark.skipif(not grouped_cpu.available(),
+                                   reason="the C kernels do not build here (no C compiler)")
 
 
 @needs_kernels
@@ -94,7 +95,8 @@ def test_kernel_choice_and_its_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CC", "no-such-compiler-here")
     assert pick_grouped("auto", cpu) is grouped_attention
     assert not native_selection(torch.zeros(3, 4))
-    with pytest.raises(AttentionError, match=r"mita kernel='cpu' needs the C kernel.*no-such-compiler-here.*kernel='torch'"):
+    needs = r"mita kernel='cpu' needs the C kernel.*no-such-compiler-here.*kernel='torch'"
+    with pytest.raises(AttentionError, match=needs):
         build_attention("mita", num_heads=2, head_dim=16, max_len=64, kernel="cpu")
 
 
@@ -157,8 +159,10 @@ def test_sparse_row_products_match_their_references(d: int) -> None:
     x = torch.randn(groups * per_group, d, generator=gen)
     table = torch.randn(groups * n, d, generator=gen)
     idx = torch.randint(0, n, (groups * per_group, k), generator=gen)
-    assert rel_err(sparse.mix_rows(w, idx, table, per_group, n), sparse.reference_mix(w, idx, table, per_group, n)) < 1e-6
-    assert rel_err(sparse.dot_rows(x, idx, table, per_group, n), sparse.reference_dot(x, idx, table, per_group, n)) < 1e-6
+    mixed, ref_mixed = sparse.mix_rows(w, idx, table, per_group, n), sparse.reference_mix(w, idx, table, per_group, n)
+    assert rel_err(mixed, ref_mixed) < 1e-6
+    dots, ref_dots = sparse.dot_rows(x, idx, table, per_group, n), sparse.reference_dot(x, idx, table, per_group, n)
+    assert rel_err(dots, ref_dots) < 1e-6
     got = sparse.scatter_outer(w, idx, x, torch.zeros_like(table), per_group, n)
     assert rel_err(got, sparse.reference_scatter(w, idx, x, torch.zeros_like(table), per_group, n)) < 1e-6
 

@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec.h"
+
 typedef struct {
     int64_t experts, S, D, M, group, unit, threads;
     float scale;
@@ -111,12 +113,14 @@ static void load_keys(const Grouped *a, int64_t n, int64_t first, int64_t count,
     for (int64_t s = 0; s < count; s++) {
         const int64_t j = first + s;
         const float *k = keys + row_of[s] * D, *v = values + row_of[s] * D;
-        memcpy(kr + j * D, k, D * sizeof(float));
-        memcpy(vr + j * D, v, D * sizeof(float));
-        for (int64_t d = 0; d < D; d++) {
-            kt[d * n + j] = k[d];
-            if (vt) vt[d * n + j] = v[d];
-        }
+        float *kj = kr + j * D, *vj = vr + j * D;
+        /* rows of a few vectors: copied inline (a memcpy call per row cost 1/8 of the forward) */
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) store8(kj + d, load8(k + d)), store8(vj + d, load8(v + d));
+        for (; d < D; d++) kj[d] = k[d], vj[d] = v[d];
+        for (d = 0; d < D; d++) kt[d * n + j] = k[d];
+        if (vt)
+            for (d = 0; d < D; d++) vt[d * n + j] = v[d];
         bias[j] = (ok && !ok[s]) ? -INFINITY : 0.0f;
     }
 }
@@ -135,120 +139,156 @@ static void load_expert(const Grouped *a, int64_t x, int64_t *group_loaded, int6
     load_keys(a, n, M, S, a->keys, a->values, row_of, a->key_ok ? a->key_ok + x * S : NULL, kt, vt, kr, vr, bias);
 }
 
-/* Register blocks: BLOCK floats (4 AVX2 vectors) accumulate in registers across the inner loop. */
-#define BLOCK 32
+/* The products of two queries (or d_outs) at once: each block of an expert's buffers is read
+ * from the cache once for both, with 32 floats of each result in registers (8 AVX2 registers).
+ * An odd last pair goes through as both halves (the same result written twice). */
 
-/* res[j] = init[j] + sum_d x[d] * t[d * n + j] for j < n: x [D] against the columns of t [D][n] */
-static void dots(const float *x, const float *t, const float *init, int64_t n, int64_t D, float *res) {
+/* res_c[j] = init[j] + sum_d x_c[d] t[d * n + j] for j < n and c = 0, 1: x_c [D] against the
+ * columns of t [D][n] */
+static void dots2(const float *x0, const float *x1, const float *t, const float *init, int64_t n, int64_t D,
+                  float *res0, float *res1) {
     int64_t j0 = 0;
-    for (; j0 + BLOCK <= n; j0 += BLOCK) {
-        float acc[BLOCK];
-        for (int l = 0; l < BLOCK; l++) acc[l] = init[j0 + l];
+    for (; j0 + 32 <= n; j0 += 32) {
+        v8 a0 = load8(init + j0), a1 = load8(init + j0 + 8), a2 = load8(init + j0 + 16), a3 = load8(init + j0 + 24);
+        v8 b0 = a0, b1 = a1, b2 = a2, b3 = a3;
         for (int64_t d = 0; d < D; d++) {
-            const float xd = x[d];
             const float *row = t + d * n + j0;
-            for (int l = 0; l < BLOCK; l++) acc[l] += xd * row[l];
+            const v8 r0 = load8(row), r1 = load8(row + 8), r2 = load8(row + 16), r3 = load8(row + 24);
+            const v8 u = splat8(x0[d]), w = splat8(x1[d]);
+            a0 += u * r0, a1 += u * r1, a2 += u * r2, a3 += u * r3;
+            b0 += w * r0, b1 += w * r1, b2 += w * r2, b3 += w * r3;
         }
-        for (int l = 0; l < BLOCK; l++) res[j0 + l] = acc[l];
+        store8(res0 + j0, a0), store8(res0 + j0 + 8, a1), store8(res0 + j0 + 16, a2), store8(res0 + j0 + 24, a3);
+        store8(res1 + j0, b0), store8(res1 + j0 + 8, b1), store8(res1 + j0 + 16, b2), store8(res1 + j0 + 24, b3);
     }
-    for (int64_t j = j0; j < n; j++) res[j] = init[j];
-    for (int64_t d = 0; d < D; d++)
-        for (int64_t j = j0; j < n; j++) res[j] += x[d] * t[d * n + j];
+    for (int64_t j = j0; j < n; j++) {
+        float u = init[j], w = init[j];
+        for (int64_t d = 0; d < D; d++) u += x0[d] * t[d * n + j], w += x1[d] * t[d * n + j];
+        res0[j] = u, res1[j] = w;
+    }
 }
 
-/* res[d] = sum_j w[j] * r[j * D + d] for d < D: the rows of r [n][D] mixed by the weights w [n] */
-static void mix(const float *w, const float *r, int64_t n, int64_t D, float *res) {
+/* res_c[d] = sum_j w_c[j] r[j * D + d] for d < D and c = 0, 1: the rows of r [n][D] mixed by w_c [n] */
+static void mix2(const float *w0, const float *w1, const float *r, int64_t n, int64_t D, float *res0, float *res1) {
     int64_t d0 = 0;
-    for (; d0 + BLOCK <= D; d0 += BLOCK) {
-        float acc[BLOCK] = {0};
+    for (; d0 + 32 <= D; d0 += 32) {
+        v8 a0 = splat8(0.0f), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
         for (int64_t j = 0; j < n; j++) {
-            const float wj = w[j];
             const float *row = r + j * D + d0;
-            for (int l = 0; l < BLOCK; l++) acc[l] += wj * row[l];
+            const v8 r0 = load8(row), r1 = load8(row + 8), r2 = load8(row + 16), r3 = load8(row + 24);
+            const v8 u = splat8(w0[j]), w = splat8(w1[j]);
+            a0 += u * r0, a1 += u * r1, a2 += u * r2, a3 += u * r3;
+            b0 += w * r0, b1 += w * r1, b2 += w * r2, b3 += w * r3;
         }
-        for (int l = 0; l < BLOCK; l++) res[d0 + l] = acc[l];
+        store8(res0 + d0, a0), store8(res0 + d0 + 8, a1), store8(res0 + d0 + 16, a2), store8(res0 + d0 + 24, a3);
+        store8(res1 + d0, b0), store8(res1 + d0 + 8, b1), store8(res1 + d0 + 16, b2), store8(res1 + d0 + 24, b3);
     }
-    for (int64_t d = d0; d < D; d++) res[d] = 0.0f;
-    for (int64_t j = 0; j < n; j++)
-        for (int64_t d = d0; d < D; d++) res[d] += w[j] * r[j * D + d];
+    for (int64_t d = d0; d < D; d++) {
+        float u = 0.0f, w = 0.0f;
+        for (int64_t j = 0; j < n; j++) u += w0[j] * r[j * D + d], w += w1[j] * r[j * D + d];
+        res0[d] = u, res1[d] = w;
+    }
 }
 
 /* g[j * D + d] += sum_c w[c * n + j] * x[c * D + d]: the rank-C update w^T x of a [n][D] gradient */
 static void add_outer(const float *w, const float *x, int64_t rows, int64_t n, int64_t D, float *g) {
     for (int64_t j = 0; j < n; j++) {
+        float *gj = g + j * D;
         int64_t d0 = 0;
-        for (; d0 + BLOCK <= D; d0 += BLOCK) {
-            float acc[BLOCK];
-            for (int l = 0; l < BLOCK; l++) acc[l] = g[j * D + d0 + l];
+        for (; d0 + 32 <= D; d0 += 32) {
+            v8 a0 = load8(gj + d0), a1 = load8(gj + d0 + 8), a2 = load8(gj + d0 + 16), a3 = load8(gj + d0 + 24);
             for (int64_t c = 0; c < rows; c++) {
-                const float wc = w[c * n + j];
+                const v8 wc = splat8(w[c * n + j]);
                 const float *row = x + c * D + d0;
-                for (int l = 0; l < BLOCK; l++) acc[l] += wc * row[l];
+                a0 += wc * load8(row), a1 += wc * load8(row + 8), a2 += wc * load8(row + 16), a3 += wc * load8(row + 24);
             }
-            for (int l = 0; l < BLOCK; l++) g[j * D + d0 + l] = acc[l];
+            store8(gj + d0, a0), store8(gj + d0 + 8, a1), store8(gj + d0 + 16, a2), store8(gj + d0 + 24, a3);
         }
         for (int64_t c = 0; c < rows; c++)
-            for (int64_t d = d0; d < D; d++) g[j * D + d] += w[c * n + j] * x[c * D + d];
+            for (int64_t d = d0; d < D; d++) gj[d] += w[c * n + j] * x[c * D + d];
     }
 }
 
-/* Pair i: out [D] and lse; its softmax row into saved [n] when the caller keeps them (else NULL). */
-static void forward_pair(const Grouped *a, int64_t i, int64_t n, const float *kt, const float *vr,
-                         const float *bias, float *qs, float *logits, float *saved) {
-    const int64_t D = a->D;
-    float *out = a->out + i * D;
-    for (int64_t d = 0; d < D; d++) qs[d] = a->q[i * D + d] * a->scale;
-    dots(qs, kt, bias, n, D, logits);
+/* Softmax of logits [n] in place (unnormalised exps); returns the max, -inf when every key is masked,
+ * and the exps' total in *total. */
+static float softmax_exps(float *logits, int64_t n, float *total) {
     const float top = max_of(logits, n);
-    if (top == -INFINITY) {
-        memset(out, 0, D * sizeof(float));
-        a->lse[i] = -INFINITY;
-        if (saved) memset(saved, 0, n * sizeof(float));
-        return;
-    }
+    if (top == -INFINITY) return top;
     for (int64_t j = 0; j < n; j++) logits[j] = exp_nonpos(logits[j] - top);
-    const float total = sum_of(logits, n);
-    mix(logits, vr, n, D, out);
-    const float inv = 1.0f / total;
-    for (int64_t d = 0; d < D; d++) out[d] *= inv;
-    a->lse[i] = top + logf(total);
-    if (saved)
-        for (int64_t j = 0; j < n; j++) saved[j] = logits[j] * inv;
+    *total = sum_of(logits, n);
+    return top;
+}
+
+/* Pairs i0, i1 (equal for an odd last pair): out [D] and lse each; their softmax rows into
+ * saved0, saved1 [n] when the caller keeps them (else NULL). buf: 2 D + 2 n floats (run_work
+ * passes its p, ds and qs buffers, contiguous: 2 CHUNK n + CHUNK D floats). */
+static void forward_two(const Grouped *a, int64_t i0, int64_t i1, int64_t n, const float *kt, const float *vr,
+                        const float *bias, float *buf, float *saved0, float *saved1) {
+    const int64_t D = a->D;
+    const int64_t pair[2] = {i0, i1};
+    float *qs[2] = {buf, buf + D}, *lg[2] = {buf + 2 * D, buf + 2 * D + n}, *saved[2] = {saved0, saved1};
+    for (int c = 0; c < 2; c++)
+        for (int64_t d = 0; d < D; d++) qs[c][d] = a->q[pair[c] * D + d] * a->scale;
+    dots2(qs[0], qs[1], kt, bias, n, D, lg[0], lg[1]);
+    float top[2], total[2] = {1.0f, 1.0f};
+    for (int c = 0; c < 2; c++) top[c] = softmax_exps(lg[c], n, &total[c]);
+    mix2(lg[0], lg[1], vr, n, D, a->out + i0 * D, a->out + i1 * D);
+    /* (an odd last pair is scaled once) */
+    for (int c = 0; c < (i1 == i0 ? 1 : 2); c++) {
+        float *out = a->out + pair[c] * D;
+        const int masked = top[c] == -INFINITY;
+        const float inv = masked ? 0.0f : 1.0f / total[c];
+        for (int64_t d = 0; d < D; d++) out[d] = masked ? 0.0f : out[d] * inv;
+        a->lse[pair[c]] = masked ? -INFINITY : top[c] + logf(total[c]);
+        if (saved[c])
+            for (int64_t j = 0; j < n; j++) saved[c][j] = masked ? 0.0f : lg[c][j] * inv;
+    }
 }
 
 /* Up to CHUNK pairs of one expert at a time in the backward: their softmax rows p, d_logits and
  * scaled queries and output gradients stay in the L1/L2 cache for the expert's rank-C updates */
 #define CHUNK 32
 
-/* One pair's row c of the chunk: p and d_logits [n], scaled q and d_out [D]; dq written. A pair
- * whose keys are all masked (lse -inf) gets zero rows and dq 0. */
-static void backward_pair(const Grouped *a, int64_t i, int64_t n, const float *kt, const float *vt,
-                          const float *kr, const float *bias, const float *zeros, const float *saved, float *p,
-                          float *ds, float *qs, float *dout) {
+/* Rows c0, c1 of the chunk (pairs i0, i1; equal for an odd last pair): p and d_logits [n], scaled q
+ * and d_out [D] each; dq written. A pair whose keys are all masked (lse -inf) gets zero rows and dq 0. */
+static void backward_two(const Grouped *a, const int64_t pair[2], int64_t n, const float *kt, const float *vt,
+                         const float *kr, const float *bias, const float *zeros, const float *saved[2], float *p[2],
+                         float *ds[2], float *qs[2], float *dout[2]) {
     const int64_t D = a->D;
-    float *dq = a->dq + i * D;
-    const float lse = a->lse[i];
-    if (lse == -INFINITY) {
-        memset(dq, 0, D * sizeof(float));
-        memset(p, 0, n * sizeof(float));
-        memset(ds, 0, n * sizeof(float));
-        return;
+    /* an odd last pair shares its rows with itself: the in-place steps run once */
+    const int count = pair[1] == pair[0] ? 1 : 2;
+    for (int c = 0; c < 2; c++) {
+        for (int64_t d = 0; d < D; d++) qs[c][d] = a->q[pair[c] * D + d] * a->scale;
+        memcpy(dout[c], a->dout + pair[c] * D, D * sizeof(float));
     }
-    for (int64_t d = 0; d < D; d++) qs[d] = a->q[i * D + d] * a->scale;
-    memcpy(dout, a->dout + i * D, D * sizeof(float));
-    if (saved) {
-        memcpy(p, saved, n * sizeof(float));
+    if (saved[0]) {
+        memcpy(p[0], saved[0], n * sizeof(float));
+        memcpy(p[1], saved[1], n * sizeof(float));
     } else {
-        /* the softmax row again from the logits and the saved log-sum-exp */
-        dots(qs, kt, bias, n, D, p);
-        for (int64_t j = 0; j < n; j++) p[j] = exp_nonpos(p[j] - lse);
+        /* the softmax rows again from the logits and the saved log-sum-exps */
+        dots2(qs[0], qs[1], kt, bias, n, D, p[0], p[1]);
+        for (int c = 0; c < count; c++) {
+            const float lse = a->lse[pair[c]];
+            for (int64_t j = 0; j < n; j++) p[c][j] = lse == -INFINITY ? 0.0f : exp_nonpos(p[c][j] - lse);
+        }
     }
     /* d_logits = p (d_out . v + offset) */
-    dots(dout, vt, zeros, n, D, ds);
-    const float offset = a->offset[i];
-    for (int64_t j = 0; j < n; j++) ds[j] = p[j] * (ds[j] + offset);
-    mix(ds, kr, n, D, dq);
-    for (int64_t d = 0; d < D; d++) dq[d] *= a->scale;
+    dots2(dout[0], dout[1], vt, zeros, n, D, ds[0], ds[1]);
+    for (int c = 0; c < count; c++) {
+        const float offset = a->offset[pair[c]];
+        for (int64_t j = 0; j < n; j++) ds[c][j] = p[c][j] * (ds[c][j] + offset);
+    }
+    float *dq0 = a->dq + pair[0] * D, *dq1 = a->dq + pair[1] * D;
+    mix2(ds[0], ds[1], kr, n, D, dq0, dq1);
+    for (int c = 0; c < count; c++) {
+        float *dq = a->dq + pair[c] * D;
+        const int masked = a->lse[pair[c]] == -INFINITY;
+        for (int64_t d = 0; d < D; d++) dq[d] = masked ? 0.0f : dq[d] * a->scale;
+        if (masked) {
+            memset(p[c], 0, n * sizeof(float));
+            memset(ds[c], 0, n * sizeof(float));
+        }
+    }
 }
 
 /* The expert's accumulated key and value gradients added into the tables they came from. */
@@ -290,18 +330,28 @@ static void *run_work(void *arg) {
         if (begin == end) continue;
         load_expert(a, x, &group_loaded, row_of, kt, w->backward ? vt : NULL, kr, vr, bias);
         if (!w->backward) {
-            for (int64_t t = begin; t < end; t++)
-                forward_pair(a, a->order[t], n, kt, vr, bias, qs, p, a->probs ? a->probs + t * n : NULL);
+            for (int64_t t = begin; t < end; t += 2) {
+                const int64_t u = t + 1 < end ? t + 1 : t;
+                forward_two(a, a->order[t], a->order[u], n, kt, vr, bias, p, a->probs ? a->probs + t * n : NULL,
+                            a->probs ? a->probs + u * n : NULL);
+            }
             continue;
         }
         memset(dk, 0, sizeof(float) * n * D);
         memset(dv, 0, sizeof(float) * n * D);
         for (int64_t t0 = begin; t0 < end; t0 += CHUNK) {
             const int64_t rows = end - t0 < CHUNK ? end - t0 : CHUNK;
-            for (int64_t c = 0; c < rows; c++)
-                backward_pair(a, a->order[t0 + c], n, kt, vt, kr, bias, zeros,
-                              a->probs ? a->probs + (t0 + c) * n : NULL, p + c * n, ds + c * n, qs + c * D,
-                              dout + c * D);
+            for (int64_t c = 0; c < rows; c += 2) {
+                const int64_t row[2] = {c, c + 1 < rows ? c + 1 : c};
+                const int64_t pair[2] = {a->order[t0 + row[0]], a->order[t0 + row[1]]};
+                const float *saved[2] = {NULL, NULL};
+                float *pc[2], *dsc[2], *qsc[2], *doutc[2];
+                for (int h = 0; h < 2; h++) {
+                    if (a->probs) saved[h] = a->probs + (t0 + row[h]) * n;
+                    pc[h] = p + row[h] * n, dsc[h] = ds + row[h] * n, qsc[h] = qs + row[h] * D, doutc[h] = dout + row[h] * D;
+                }
+                backward_two(a, pair, n, kt, vt, kr, bias, zeros, saved, pc, dsc, qsc, doutc);
+            }
             /* dK += d_logits^T (scale q), dV += p^T d_out over the chunk's pairs */
             add_outer(ds, qs, rows, n, D, dk);
             add_outer(p, dout, rows, n, D, dv);

@@ -82,18 +82,18 @@ def load(name: str) -> Optional[ctypes.CDLL]:
     if cc is None:
         _why_not[name] = f"no C compiler found ({os.environ.get('CC', 'cc')!r} is not on PATH; set CC)"
     else:
-        # the source, the headers it may include, the compiler, the flags and the CPU
-        text = b"".join(path.read_bytes() for path in [source, *sorted(SOURCES.glob("*.h"))])
-        key = hashlib.sha256(text + " ".join([cc, *FLAGS, cpu_identity()]).encode()).hexdigest()[:16]
-        target = cache_dir() / f"{name}-{key}.so"
         try:
+            # the source, the headers it may include, the compiler, the flags and the CPU
+            text = b"".join(path.read_bytes() for path in [source, *sorted(SOURCES.glob("*.h"))])
+            key = hashlib.sha256(text + " ".join([cc, *FLAGS, cpu_identity()]).encode()).hexdigest()[:16]
+            target = cache_dir() / f"{name}-{key}.so"
             error = "" if target.exists() else _build(source, cc, target)
             if error:
                 _why_not[name] = f"building {source.name} with {cc} failed: {error}"
             else:
                 lib = ctypes.CDLL(str(target))
         except OSError as err:
-            _why_not[name] = f"building or loading {source.name} in {target.parent} failed: {err}"
+            _why_not[name] = f"building or loading {source.name} failed: {err}"
     _loaded[name] = lib
     return lib
 

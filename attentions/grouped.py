@@ -81,6 +81,14 @@ def pick_tile(counts: torch.Tensor) -> int:
     return TILES[costs.index(min(costs))]
 
 
+def expert_runs(expert: torch.Tensor, num_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pairs sorted by expert, those with no expert (number X) last, and each expert's run: expert x
+    owns order[offsets[x]:offsets[x + 1]] (the grouping of the Triton and C kernels). [P] -> [P], [X + 1]."""
+    order = torch.argsort(expert, stable=True)  # [P]
+    counts = torch.bincount(expert, minlength=num_experts + 1)[:num_experts]  # [X]
+    return order, torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0))
+
+
 def tile_by_expert(expert: torch.Tensor, num_experts: int, tile: Optional[int] = None) -> Tiling:
     """Group pairs by expert. expert: [P] long in [0, num_experts]; pairs of expert num_experts
     (no expert) are left out of every tile. ``tile``: pairs per tile (default: pick_tile)."""

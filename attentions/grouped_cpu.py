@@ -20,11 +20,10 @@ import ctypes
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from . import native
 from .base import AttentionError
-from .grouped import SAVE_ELEMENTS, gather_rows, grouped_attention
+from .grouped import SAVE_ELEMENTS, expert_runs, gather_rows, grouped_attention
 
 LIBRARY = "grouped_cpu"
 _f, _i64 = ctypes.c_float, ctypes.c_int64
@@ -110,14 +109,6 @@ class GroupedAttentionCPU(torch.autograd.Function):
         return dq, d_keys, d_values, d_shared_keys, d_shared_values, *[None] * 9
 
 
-def _sort_by_expert(expert: torch.Tensor, num_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Pairs sorted by expert (those with no expert, number X, last) and each expert's run: expert x
-    owns order[offsets[x]:offsets[x + 1]]. [P] -> [P], [X + 1]."""
-    order = torch.argsort(expert, stable=True)  # [P]
-    counts = torch.bincount(expert, minlength=num_experts + 1)[:num_experts]  # [X]
-    return order, F.pad(torch.cumsum(counts, 0), (1, 0))
-
-
 def fits(q: torch.Tensor) -> bool:
     """Whether the C kernel takes these inputs: float32 CPU tensors, with the kernel built here."""
     return q.device.type == "cpu" and q.dtype == torch.float32 and available()
@@ -158,6 +149,6 @@ def grouped_attention_cpu(
     key_ok = None if key_ok is None else key_ok.contiguous().view(torch.uint8)
     shared_ok = None if shared_ok is None else shared_ok.contiguous().view(torch.uint8)
     rows = None if rows is None else rows.contiguous()
-    order, offsets = _sort_by_expert(expert, experts)
+    order, offsets = expert_runs(expert, experts)
     return GroupedAttentionCPU.apply(q.contiguous(), keys, values, shared_keys, shared_values, rows, key_ok, shared_ok,
                                      order, offsets, group, scale, unit, with_lse)

@@ -22,11 +22,10 @@ from types import ModuleType
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from . import grouped_cpu, native
 from .base import AttentionError
-from .grouped import grouped_attention
+from .grouped import expert_runs, grouped_attention
 
 KERNELS = ("auto", "torch", "triton", "cpu")
 # pairs per work item lie in [MIN_TILE, MAX_TILE], a power of two near the mean pairs per expert
@@ -122,9 +121,8 @@ def sort_by_expert(expert: torch.Tensor, num_experts: int) -> Layout:
     # pairs per item: a power of two near the mean pairs per expert, in [MIN_TILE, MAX_TILE]
     mean = max(1, pairs // x)
     block_q = min(max(1 << (mean.bit_length() - 1), MIN_TILE), MAX_TILE)
-    order = torch.argsort(expert, stable=True)  # [P]
-    counts = torch.bincount(expert, minlength=x + 1)[:x]  # [X]
-    offsets = F.pad(torch.cumsum(counts, 0), (1, 0))  # [X + 1]
+    order, offsets = expert_runs(expert, x)  # [P], [X + 1]
+    counts = offsets.diff()  # [X]
     items = (counts + block_q - 1) // block_q  # [X] work items per expert
     items_end = torch.cumsum(items, 0)  # [X]
     # sum over experts of ceil(count / block_q) <= ceil(P / block_q) + (non-empty experts)

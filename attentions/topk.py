@@ -147,7 +147,8 @@ class TopKAttention(Attention):
 
     @classmethod
     def implementation(cls, cfg: TopKConfig, device: torch.device) -> str:
-        kernels = "C" if sparse.available(torch.empty(0, device=device)) else "torch"
+        # (a CPU probe tensor: nothing is allocated on the device asked about)
+        kernels = "C" if device.type == "cpu" and sparse.available(torch.empty(0)) else "torch"
         return f"attentions.topk ({kernels} kernels for selection and k-row products)"
 
     def budget(self) -> str:

@@ -21,7 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "vec.h"
+#include "blocks.h"
 
 typedef struct {
     int64_t experts, S, D, M, group, unit, threads;
@@ -51,54 +51,6 @@ typedef struct {
     int64_t first, last; /* experts [first, last) */
     int backward;
 } Work;
-
-/* e^x for x <= ~0 (Cephes' expf polynomial, ~1e-7 relative error above -87); 0 below -87, so a
- * -inf logit weighs 0. Branch-free (the clamps are min/max on integers) so that loops over it vectorise. */
-static inline float exp_nonpos(float x) {
-    union { float f; uint32_t u; } b;
-    b.f = x;
-    /* as unsigned bits a negative float grows with its magnitude: the min clamps x to >= -100 */
-    b.u = b.u < 0xC2C80000u ? b.u : 0xC2C80000u;
-    const float c = b.f;
-    const int32_t ni = (int32_t)(c * 1.44269504088896341f - 0.5f); /* round(c / ln 2) for c <= 0 */
-    const float n = (float)ni;
-    const float r = c - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    /* 2^n as float bits; an exponent that would underflow becomes 0, i.e. weight 0 */
-    const int32_t e = ni + 127 > 0 ? ni + 127 : 0;
-    union { int32_t i; float f; } two_n;
-    two_n.i = e << 23;
-    return p * two_n.f;
-}
-
-/* max and sum of x[0..n) in 8 lanes (a plain float reduction does not vectorise: it fixes the order) */
-static inline float max_of(const float *x, int64_t n) {
-    float lane[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8)
-        for (int l = 0; l < 8; l++) lane[l] = x[j + l] > lane[l] ? x[j + l] : lane[l];
-    float top = -INFINITY;
-    for (; j < n; j++) top = x[j] > top ? x[j] : top;
-    for (int l = 0; l < 8; l++) top = lane[l] > top ? lane[l] : top;
-    return top;
-}
-
-static inline float sum_of(const float *x, int64_t n) {
-    float lane[8] = {0};
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8)
-        for (int l = 0; l < 8; l++) lane[l] += x[j + l];
-    float total = 0.0f;
-    for (; j < n; j++) total += x[j];
-    for (int l = 0; l < 8; l++) total += lane[l];
-    return total;
-}
 
 static inline int64_t key_row(const Grouped *a, int64_t x, int64_t s) {
     return a->rows ? a->rows[x * a->S + s] : x * a->S + s;
@@ -139,76 +91,6 @@ static void load_expert(const Grouped *a, int64_t x, int64_t *group_loaded, int6
     load_keys(a, n, M, S, a->keys, a->values, row_of, a->key_ok ? a->key_ok + x * S : NULL, kt, vt, kr, vr, bias);
 }
 
-/* The products of two queries (or d_outs) at once: each block of an expert's buffers is read
- * from the cache once for both, with 32 floats of each result in registers (8 AVX2 registers).
- * An odd last pair goes through as both halves (the same result written twice). */
-
-/* res_c[j] = init[j] + sum_d x_c[d] t[d * n + j] for j < n and c = 0, 1: x_c [D] against the
- * columns of t [D][n] */
-static void dots2(const float *x0, const float *x1, const float *t, const float *init, int64_t n, int64_t D,
-                  float *res0, float *res1) {
-    int64_t j0 = 0;
-    for (; j0 + 32 <= n; j0 += 32) {
-        v8 a0 = load8(init + j0), a1 = load8(init + j0 + 8), a2 = load8(init + j0 + 16), a3 = load8(init + j0 + 24);
-        v8 b0 = a0, b1 = a1, b2 = a2, b3 = a3;
-        for (int64_t d = 0; d < D; d++) {
-            const float *row = t + d * n + j0;
-            const v8 r0 = load8(row), r1 = load8(row + 8), r2 = load8(row + 16), r3 = load8(row + 24);
-            const v8 u = splat8(x0[d]), w = splat8(x1[d]);
-            a0 += u * r0, a1 += u * r1, a2 += u * r2, a3 += u * r3;
-            b0 += w * r0, b1 += w * r1, b2 += w * r2, b3 += w * r3;
-        }
-        store8(res0 + j0, a0), store8(res0 + j0 + 8, a1), store8(res0 + j0 + 16, a2), store8(res0 + j0 + 24, a3);
-        store8(res1 + j0, b0), store8(res1 + j0 + 8, b1), store8(res1 + j0 + 16, b2), store8(res1 + j0 + 24, b3);
-    }
-    for (int64_t j = j0; j < n; j++) {
-        float u = init[j], w = init[j];
-        for (int64_t d = 0; d < D; d++) u += x0[d] * t[d * n + j], w += x1[d] * t[d * n + j];
-        res0[j] = u, res1[j] = w;
-    }
-}
-
-/* res_c[d] = sum_j w_c[j] r[j * D + d] for d < D and c = 0, 1: the rows of r [n][D] mixed by w_c [n] */
-static void mix2(const float *w0, const float *w1, const float *r, int64_t n, int64_t D, float *res0, float *res1) {
-    int64_t d0 = 0;
-    for (; d0 + 32 <= D; d0 += 32) {
-        v8 a0 = splat8(0.0f), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-        for (int64_t j = 0; j < n; j++) {
-            const float *row = r + j * D + d0;
-            const v8 r0 = load8(row), r1 = load8(row + 8), r2 = load8(row + 16), r3 = load8(row + 24);
-            const v8 u = splat8(w0[j]), w = splat8(w1[j]);
-            a0 += u * r0, a1 += u * r1, a2 += u * r2, a3 += u * r3;
-            b0 += w * r0, b1 += w * r1, b2 += w * r2, b3 += w * r3;
-        }
-        store8(res0 + d0, a0), store8(res0 + d0 + 8, a1), store8(res0 + d0 + 16, a2), store8(res0 + d0 + 24, a3);
-        store8(res1 + d0, b0), store8(res1 + d0 + 8, b1), store8(res1 + d0 + 16, b2), store8(res1 + d0 + 24, b3);
-    }
-    for (int64_t d = d0; d < D; d++) {
-        float u = 0.0f, w = 0.0f;
-        for (int64_t j = 0; j < n; j++) u += w0[j] * r[j * D + d], w += w1[j] * r[j * D + d];
-        res0[d] = u, res1[d] = w;
-    }
-}
-
-/* g[j * D + d] += sum_c w[c * n + j] * x[c * D + d]: the rank-C update w^T x of a [n][D] gradient */
-static void add_outer(const float *w, const float *x, int64_t rows, int64_t n, int64_t D, float *g) {
-    for (int64_t j = 0; j < n; j++) {
-        float *gj = g + j * D;
-        int64_t d0 = 0;
-        for (; d0 + 32 <= D; d0 += 32) {
-            v8 a0 = load8(gj + d0), a1 = load8(gj + d0 + 8), a2 = load8(gj + d0 + 16), a3 = load8(gj + d0 + 24);
-            for (int64_t c = 0; c < rows; c++) {
-                const v8 wc = splat8(w[c * n + j]);
-                const float *row = x + c * D + d0;
-                a0 += wc * load8(row), a1 += wc * load8(row + 8), a2 += wc * load8(row + 16), a3 += wc * load8(row + 24);
-            }
-            store8(gj + d0, a0), store8(gj + d0 + 8, a1), store8(gj + d0 + 16, a2), store8(gj + d0 + 24, a3);
-        }
-        for (int64_t c = 0; c < rows; c++)
-            for (int64_t d = d0; d < D; d++) gj[d] += w[c * n + j] * x[c * D + d];
-    }
-}
-
 /* Softmax of logits [n] in place (unnormalised exps); returns the max, -inf when every key is masked,
  * and the exps' total in *total. */
 static float softmax_exps(float *logits, int64_t n, float *total) {
@@ -232,7 +114,7 @@ static void forward_two(const Grouped *a, int64_t i0, int64_t i1, int64_t n, con
     dots2(qs[0], qs[1], kt, bias, n, D, lg[0], lg[1]);
     float top[2], total[2] = {1.0f, 1.0f};
     for (int c = 0; c < 2; c++) top[c] = softmax_exps(lg[c], n, &total[c]);
-    mix2(lg[0], lg[1], vr, n, D, a->out + i0 * D, a->out + i1 * D);
+    mix2(lg[0], lg[1], vr, n, D, a->out + i0 * D, a->out + i1 * D, 0);
     /* (an odd last pair is scaled once) */
     for (int c = 0; c < (i1 == i0 ? 1 : 2); c++) {
         float *out = a->out + pair[c] * D;
@@ -279,7 +161,7 @@ static void backward_two(const Grouped *a, const int64_t pair[2], int64_t n, con
         for (int64_t j = 0; j < n; j++) ds[c][j] = p[c][j] * (ds[c][j] + offset);
     }
     float *dq0 = a->dq + pair[0] * D, *dq1 = a->dq + pair[1] * D;
-    mix2(ds[0], ds[1], kr, n, D, dq0, dq1);
+    mix2(ds[0], ds[1], kr, n, D, dq0, dq1, 0);
     for (int c = 0; c < count; c++) {
         float *dq = a->dq + pair[c] * D;
         const int masked = a->lse[pair[c]] == -INFINITY;

@@ -26,6 +26,7 @@ from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs, i
 from .grouped import gather_rows, merge
 from .grouped_cpu import grouped_attention_cpu
 from .grouped_triton import check_kernel, kernel_name, pick_grouped
+from .landmark_cpu import fits as landmark_kernel_fits, landmark_pass, route_best
 from .masking import pool_real, real_key_mask
 from .registry import register
 from .select import topk_unsorted
@@ -112,24 +113,38 @@ def top_keys(scores: torch.Tensor, keys: int) -> Tuple[torch.Tensor, torch.Tenso
 
 
 def build_experts(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], landmarks: int, keys: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], landmarks: int, keys: int,
+    native: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Steps 1-3: landmarks [B, H, m, D], real landmarks [B, m], each landmark's key index
-    [B, H, m, keys] and which of those are real keys [B, H, m, keys], shared values [B, H, m, D]."""
-    marks, real_marks, scores = landmark_scores(q, k, mask, landmarks)
+    [B, H, m, keys] and which of those are real keys [B, H, m, keys], shared values [B, H, m, D].
+    native: the scores and shared values from the C landmark pass (landmark_cpu.py) where it takes
+    the inputs (float32 on the CPU), instead of the PyTorch matmuls and softmax."""
+    if native and landmark_kernel_fits(q):
+        marks, real_marks = pool_real(q, mask, landmarks)
+        shared_values, scores = landmark_pass(marks / math.sqrt(q.shape[-1]), k, v, mask)
+    else:
+        marks, real_marks, scores = landmark_scores(q, k, mask, landmarks)
+        shared_values = scores.softmax(dim=-1) @ v  # [B, H, m, D]
     index, key_ok = top_keys(scores, keys)
-    shared_values = scores.softmax(dim=-1) @ v  # [B, H, m, D]
     return marks, real_marks, index, key_ok, shared_values
 
 
-def route(q: torch.Tensor, marks: torch.Tensor, real_marks: torch.Tensor, per_query: int) -> torch.Tensor:
+def route(
+    q: torch.Tensor, marks: torch.Tensor, real_marks: torch.Tensor, per_query: int, native: bool = False
+) -> torch.Tensor:
     """Step 4: each query's E best real landmarks, as expert numbers over (batch, head, landmark).
 
     q: [B, H, N, D], marks: [B, H, m, D], real_marks: [B*H, m] -> [B*H, N, E]; a choice that falls
     on a missing landmark (a sequence shorter than E) becomes B*H*m, meaning no expert.
+    native: one expert per query from the C kernel (landmark_cpu.route_best) where it takes the inputs.
     """
-    b, h, n, _ = q.shape
+    b, h, n, d = q.shape
     m = marks.shape[2]
+    heads = torch.arange(b * h, device=q.device)[:, None, None] * m
+    if native and per_query == 1 and landmark_kernel_fits(q):
+        best = route_best(q.reshape(b * h, n, d), marks.reshape(b * h, m, d), real_marks)[..., None]  # [B*H, N, 1]
+        return torch.where(best >= 0, best + heads, b * h * m)
     missing = torch.zeros(real_marks.shape, dtype=q.dtype, device=q.device).masked_fill(~real_marks, float("-inf"))
     # the result is made whole before the loop (as in MoBA's gate): small per-chunk results kept
     # between score-sized temporaries fragment the heap
@@ -146,7 +161,7 @@ def route(q: torch.Tensor, marks: torch.Tensor, real_marks: torch.Tensor, per_qu
                 choice[:, :, rows] = gate.topk(per_query, dim=-1).indices
             del gate
     choice = choice.view(b * h, n, per_query)
-    expert = choice + torch.arange(b * h, device=q.device)[:, None, None] * m
+    expert = choice + heads
     real = real_marks.gather(1, choice.flatten(1)).view_as(choice)
     return torch.where(real, expert, b * h * m)
 
@@ -210,13 +225,14 @@ class MiTAAttention(Attention):
         self, q: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor] = None
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """The keys each landmark selects into its routed expert, as the forward selects them (steps
-        1-2, the same functions): key positions [B, H, m, keys] (in no order) and which selections
-        are real [B, H, m, keys] (a real key chosen by a real landmark; a sequence with fewer real
-        tokens than m or k leaves the rest False). keys = min(topk // experts_per_query, N)."""
+        1-3, the same function and kernels; the shared values are dropped): key positions
+        [B, H, m, keys] (in no order) and which selections are real [B, H, m, keys] (a real key
+        chosen by a real landmark; a sequence with fewer real tokens than m or k leaves the rest
+        False). keys = min(topk // experts_per_query, N)."""
         check_inputs(q, k, k, mask)
         keys = min(self.cfg.topk // self.cfg.experts_per_query, q.shape[2])
-        _, real_marks, scores = landmark_scores(q, k, mask, self.cfg.landmarks)
-        index, key_ok = top_keys(scores, keys)
+        native = pick_grouped(self.cfg.kernel, q.device) is grouped_attention_cpu
+        _, real_marks, index, key_ok, _ = build_experts(q, k, k, mask, self.cfg.landmarks, keys, native)
         return index, key_ok & real_marks[:, None, :, None]
 
     def forward(
@@ -230,13 +246,15 @@ class MiTAAttention(Attention):
         b, h, n, d = q.shape
         m, per_query = cfg.landmarks, cfg.experts_per_query
         keys = min(cfg.topk // per_query, n)
-        marks, real_marks, index, key_ok, shared_values = build_experts(q, k, v, mask, m, keys)
+        grouped_attention = pick_grouped(cfg.kernel, q.device)
+        # the C kernels on the CPU: the landmark pass and routing as well as the grouped attention
+        native = grouped_attention is grouped_attention_cpu
+        marks, real_marks, index, key_ok, shared_values = build_experts(q, k, v, mask, m, keys, native)
         real_marks = real_marks.repeat_interleave(h, dim=0)  # [B*H, m]
-        expert = route(q, marks, real_marks, per_query)  # [B*H, N, E]
+        expert = route(q, marks, real_marks, per_query, native)  # [B*H, N, E]
         # step 5: routed experts [B*H*m, keys, D] read once from k and v; queries grouped by expert
         heads = torch.arange(b * h, device=q.device)[:, None]  # [B*H, 1]
         rows = (index.view(b * h, m * keys) + heads * n).view(b * h * m, keys)
-        grouped_attention = pick_grouped(cfg.kernel, q.device)
         if grouped_attention is grouped_attention_cpu:
             # the C kernel reads the expert keys by index: no gathered tables; a head's m experts
             # share key rows, so its threads take whole heads

@@ -1,4 +1,4 @@
-"""Compiled C kernels for the CPU: built from the package's .c files with the system C compiler on
+"""Compiled C kernels for the CPU: built from the packages' .c files with the system C compiler on
 first use, cached per source, compiler flags and CPU, and loaded with ctypes.
 
 No Python build step and no torch headers: ``cc -O3 -march=native -fopenmp -shared`` takes about a second.
@@ -72,11 +72,13 @@ def _build(source: Path, cc: str, target: Path) -> str:
     return "; ".join(errors)
 
 
-def load(name: str) -> Optional[ctypes.CDLL]:
-    """The library built from ``<name>.c`` beside this file, or None when it cannot be built here."""
+def load(name: str, folder: Optional[Path] = None) -> Optional[ctypes.CDLL]:
+    """The library built from ``<name>.c`` in ``folder`` (default SOURCES, beside this file), or None
+    when it cannot be built here. Names are one namespace across folders."""
     if name in _loaded:
         return _loaded[name]
-    source = SOURCES / f"{name}.c"
+    folder = SOURCES if folder is None else folder
+    source = folder / f"{name}.c"
     cc = compiler()
     lib = None
     if cc is None:
@@ -84,7 +86,7 @@ def load(name: str) -> Optional[ctypes.CDLL]:
     else:
         try:
             # the source, the headers it may include, the compiler, the flags and the CPU
-            text = b"".join(path.read_bytes() for path in [source, *sorted(SOURCES.glob("*.h"))])
+            text = b"".join(path.read_bytes() for path in [source, *sorted(folder.glob("*.h"))])
             key = hashlib.sha256(text + " ".join([cc, *FLAGS, cpu_identity()]).encode()).hexdigest()[:16]
             target = cache_dir() / f"{name}-{key}.so"
             error = "" if target.exists() else _build(source, cc, target)

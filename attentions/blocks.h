@@ -1,0 +1,139 @@
+/* Vectorised building blocks shared by the CPU kernels (grouped_cpu.c, landmark_cpu.c): a
+ * branch-free e^x, lane-wise max and sum, and the products of two rows at once against a block held
+ * in the L1 cache (dots2: across keys of a transposed block; mix2: a weighted sum of rows; add_outer:
+ * a rank-C gradient update). All static inline: each kernel compiles its own copy. */
+#ifndef LRA_BLOCKS_H
+#define LRA_BLOCKS_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "vec.h"
+
+/* e^x for x <= ~0 (Cephes' expf polynomial, ~1e-7 relative error above -87); 0 below -87, so a
+ * -inf logit weighs 0. Branch-free (the clamps are min/max on integers) so that loops over it vectorise. */
+static inline float exp_nonpos(float x) {
+    union { float f; uint32_t u; } b;
+    b.f = x;
+    /* as unsigned bits a negative float grows with its magnitude: the min clamps x to >= -100 */
+    b.u = b.u < 0xC2C80000u ? b.u : 0xC2C80000u;
+    const float c = b.f;
+    const int32_t ni = (int32_t)(c * 1.44269504088896341f - 0.5f); /* round(c / ln 2) for c <= 0 */
+    const float n = (float)ni;
+    const float r = c - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    /* 2^n as float bits; an exponent that would underflow becomes 0, i.e. weight 0 */
+    const int32_t e = ni + 127 > 0 ? ni + 127 : 0;
+    union { int32_t i; float f; } two_n;
+    two_n.i = e << 23;
+    return p * two_n.f;
+}
+
+/* max and sum of x[0..n) in 8 lanes (a plain float reduction does not vectorise: it fixes the order) */
+static inline float max_of(const float *x, int64_t n) {
+    float lane[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; l++) lane[l] = x[j + l] > lane[l] ? x[j + l] : lane[l];
+    float top = -INFINITY;
+    for (; j < n; j++) top = x[j] > top ? x[j] : top;
+    for (int l = 0; l < 8; l++) top = lane[l] > top ? lane[l] : top;
+    return top;
+}
+
+static inline float sum_of(const float *x, int64_t n) {
+    float lane[8] = {0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; l++) lane[l] += x[j + l];
+    float total = 0.0f;
+    for (; j < n; j++) total += x[j];
+    for (int l = 0; l < 8; l++) total += lane[l];
+    return total;
+}
+
+
+/* The products of two queries (or d_outs) at once: each block of an expert's buffers is read
+ * from the cache once for both, with 32 floats of each result in registers (8 AVX2 registers).
+ * An odd last pair goes through as both halves (the same result written twice). */
+
+/* res_c[j] = init[j] + sum_d x_c[d] t[d * n + j] for j < n and c = 0, 1: x_c [D] against the
+ * columns of t [D][n] */
+static inline void dots2(const float *x0, const float *x1, const float *t, const float *init, int64_t n, int64_t D,
+                  float *res0, float *res1) {
+    int64_t j0 = 0;
+    for (; j0 + 32 <= n; j0 += 32) {
+        v8 a0 = load8(init + j0), a1 = load8(init + j0 + 8), a2 = load8(init + j0 + 16), a3 = load8(init + j0 + 24);
+        v8 b0 = a0, b1 = a1, b2 = a2, b3 = a3;
+        for (int64_t d = 0; d < D; d++) {
+            const float *row = t + d * n + j0;
+            const v8 r0 = load8(row), r1 = load8(row + 8), r2 = load8(row + 16), r3 = load8(row + 24);
+            const v8 u = splat8(x0[d]), w = splat8(x1[d]);
+            a0 += u * r0, a1 += u * r1, a2 += u * r2, a3 += u * r3;
+            b0 += w * r0, b1 += w * r1, b2 += w * r2, b3 += w * r3;
+        }
+        store8(res0 + j0, a0), store8(res0 + j0 + 8, a1), store8(res0 + j0 + 16, a2), store8(res0 + j0 + 24, a3);
+        store8(res1 + j0, b0), store8(res1 + j0 + 8, b1), store8(res1 + j0 + 16, b2), store8(res1 + j0 + 24, b3);
+    }
+    for (int64_t j = j0; j < n; j++) {
+        float u = init[j], w = init[j];
+        for (int64_t d = 0; d < D; d++) u += x0[d] * t[d * n + j], w += x1[d] * t[d * n + j];
+        res0[j] = u, res1[j] = w;
+    }
+}
+
+/* res_c[d] = (add ? res_c[d] : 0) + sum_j w_c[j] r[j * D + d] for d < D and c = 0, 1: the rows of
+ * r [n][D] mixed by w_c [n]. With add and res0 == res1 (an odd last pair) the row gets the sum once. */
+static inline void mix2(const float *w0, const float *w1, const float *r, int64_t n, int64_t D, float *res0,
+                        float *res1, int add) {
+    int64_t d0 = 0;
+    for (; d0 + 32 <= D; d0 += 32) {
+        const v8 zero = splat8(0.0f);
+        v8 a0 = add ? load8(res0 + d0) : zero, a1 = add ? load8(res0 + d0 + 8) : zero;
+        v8 a2 = add ? load8(res0 + d0 + 16) : zero, a3 = add ? load8(res0 + d0 + 24) : zero;
+        v8 b0 = add ? load8(res1 + d0) : zero, b1 = add ? load8(res1 + d0 + 8) : zero;
+        v8 b2 = add ? load8(res1 + d0 + 16) : zero, b3 = add ? load8(res1 + d0 + 24) : zero;
+        for (int64_t j = 0; j < n; j++) {
+            const float *row = r + j * D + d0;
+            const v8 r0 = load8(row), r1 = load8(row + 8), r2 = load8(row + 16), r3 = load8(row + 24);
+            const v8 u = splat8(w0[j]), w = splat8(w1[j]);
+            a0 += u * r0, a1 += u * r1, a2 += u * r2, a3 += u * r3;
+            b0 += w * r0, b1 += w * r1, b2 += w * r2, b3 += w * r3;
+        }
+        store8(res0 + d0, a0), store8(res0 + d0 + 8, a1), store8(res0 + d0 + 16, a2), store8(res0 + d0 + 24, a3);
+        store8(res1 + d0, b0), store8(res1 + d0 + 8, b1), store8(res1 + d0 + 16, b2), store8(res1 + d0 + 24, b3);
+    }
+    for (int64_t d = d0; d < D; d++) {
+        float u = add ? res0[d] : 0.0f, w = add ? res1[d] : 0.0f;
+        for (int64_t j = 0; j < n; j++) u += w0[j] * r[j * D + d], w += w1[j] * r[j * D + d];
+        res0[d] = u, res1[d] = w;
+    }
+}
+
+/* g[j * D + d] += sum_c w[c * n + j] * x[c * D + d]: the rank-C update w^T x of a [n][D] gradient */
+static inline void add_outer(const float *w, const float *x, int64_t rows, int64_t n, int64_t D, float *g) {
+    for (int64_t j = 0; j < n; j++) {
+        float *gj = g + j * D;
+        int64_t d0 = 0;
+        for (; d0 + 32 <= D; d0 += 32) {
+            v8 a0 = load8(gj + d0), a1 = load8(gj + d0 + 8), a2 = load8(gj + d0 + 16), a3 = load8(gj + d0 + 24);
+            for (int64_t c = 0; c < rows; c++) {
+                const v8 wc = splat8(w[c * n + j]);
+                const float *row = x + c * D + d0;
+                a0 += wc * load8(row), a1 += wc * load8(row + 8), a2 += wc * load8(row + 16), a3 += wc * load8(row + 24);
+            }
+            store8(gj + d0, a0), store8(gj + d0 + 8, a1), store8(gj + d0 + 16, a2), store8(gj + d0 + 24, a3);
+        }
+        for (int64_t c = 0; c < rows; c++)
+            for (int64_t d = d0; d < D; d++) gj[d] += w[c * n + j] * x[c * D + d];
+    }
+}
+
+
+#endif

@@ -1,0 +1,211 @@
+/* MiTA's landmark pass and routing on the CPU: the kernels behind attentions/landmark_cpu.py (float32).
+ *
+ * Per head g (G = B H heads, each with m landmarks and N keys of D dims):
+ *     S = L K^T [m, N]  (L: the landmarks, pre-scaled by 1 / sqrt(D)), -inf at masked keys,
+ *     P = softmax(S) over the keys,  shared values V_s = P V [m, D],  lse = log sum_j e^S [m].
+ * S is written out (the top-k selection of the routed experts reads it) and kept for the backward,
+ * which recomputes P from S and lse and, with the gradient dV_s,
+ *     dS = P * (dV_s V^T - delta),  delta_i = dV_s[i] . V_s[i],
+ *     dL = dS K,  dK = dS^T L,  dV = P^T dV_s.
+ * One pass over the keys in blocks of BLOCK: a block's keys (transposed) and values stay in the L1
+ * cache while every landmark uses them, and no [m, N] temporary beyond S is made (the PyTorch path
+ * makes four: scores, mask, softmax, its gradient). A landmark whose keys are all masked gets
+ * lse -inf, shared values 0 and zero gradients.
+ *
+ * route_best: each query's best landmark, argmax_j q . L_j + bias_j (bias 0 or -inf for a missing
+ * landmark; the first of equal values, as torch.argmax), -1 when every landmark is missing.
+ *
+ * Threads take whole heads: no two write the same row, no atomics, the same bits for any thread count.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "blocks.h"
+
+#define BLOCK 64
+
+typedef struct {
+    int64_t G, m, N, D, heads, threads; /* heads: heads per mask row (the mask is [G / heads, N]) */
+    const float *marks;                 /* [G, m, D] pre-scaled landmarks */
+    const float *keys, *values;         /* [G, N, D] */
+    const uint8_t *key_ok;              /* [G / heads, N] or NULL: every key real */
+    float *scores;                      /* [G, m, N] forward; read by the backward */
+    float *lse;                         /* [G, m] forward; read by the backward */
+    float *shared;                      /* [G, m, D] forward; read by the backward */
+    const float *dshared;               /* [G, m, D] backward */
+    float *dmarks, *dkeys, *dvalues;    /* [G, m, D], [G, N, D] x 2 backward, written whole */
+} Landmarks;
+
+/* The [nb][D] rows at src transposed into t [D][nb]. */
+static void transpose_block(const float *src, int64_t nb, int64_t D, float *t) {
+    for (int64_t j = 0; j < nb; j++)
+        for (int64_t d = 0; d < D; d++) t[d * nb + j] = src[j * D + d];
+}
+
+/* 0 for a real key, -inf for a masked one, over keys [j0, j0 + nb). */
+static void key_bias(const uint8_t *ok, int64_t j0, int64_t nb, float *bias) {
+    for (int64_t j = 0; j < nb; j++) bias[j] = (ok && !ok[j0 + j]) ? -INFINITY : 0.0f;
+}
+
+/* p[j] = e^(s[j] - shift) for j < nb; 0 everywhere when shift is -inf (every key masked). */
+static void exps(const float *s, int64_t nb, float shift, float *p) {
+    if (shift == -INFINITY) {
+        memset(p, 0, nb * sizeof(float));
+        return;
+    }
+    for (int64_t j = 0; j < nb; j++) p[j] = exp_nonpos(s[j] - shift);
+}
+
+/* Head g forward; buf: D BLOCK + 3 BLOCK floats. */
+static void forward_head(const Landmarks *a, int64_t g, float *buf) {
+    const int64_t m = a->m, N = a->N, D = a->D;
+    const float *L = a->marks + g * m * D, *K = a->keys + g * N * D, *V = a->values + g * N * D;
+    const uint8_t *ok = a->key_ok ? a->key_ok + (g / a->heads) * N : NULL;
+    float *S = a->scores + g * m * N, *lse = a->lse + g * m, *out = a->shared + g * m * D;
+    float *kt = buf, *bias = kt + D * BLOCK, *p = bias + BLOCK;
+    /* scores, a block of keys at a time, two landmarks at a time (an odd last one as both) */
+    for (int64_t j0 = 0; j0 < N; j0 += BLOCK) {
+        const int64_t nb = N - j0 < BLOCK ? N - j0 : BLOCK;
+        transpose_block(K + j0 * D, nb, D, kt);
+        key_bias(ok, j0, nb, bias);
+        for (int64_t i = 0; i < m; i += 2) {
+            const int64_t i1 = i + 1 < m ? i + 1 : i;
+            dots2(L + i * D, L + i1 * D, kt, bias, nb, D, S + i * N + j0, S + i1 * N + j0);
+        }
+    }
+    /* the softmax's shift per landmark; the values mixed by e^(S - shift), block by block */
+    for (int64_t i = 0; i < m; i++) lse[i] = max_of(S + i * N, N);
+    memset(out, 0, m * D * sizeof(float));
+    float total[2];
+    for (int64_t i = 0; i < m; i += 2) {
+        const int64_t i1 = i + 1 < m ? i + 1 : i;
+        float *p0 = p, *p1 = p + (i1 == i ? 0 : BLOCK);
+        total[0] = total[1] = 0.0f;
+        for (int64_t j0 = 0; j0 < N; j0 += BLOCK) {
+            const int64_t nb = N - j0 < BLOCK ? N - j0 : BLOCK;
+            exps(S + i * N + j0, nb, lse[i], p0);
+            exps(S + i1 * N + j0, nb, lse[i1], p1);
+            total[0] += sum_of(p0, nb), total[1] += sum_of(p1, nb);
+            mix2(p0, p1, V + j0 * D, nb, D, out + i * D, out + i1 * D, 1);
+        }
+        for (int c = 0; c < (i1 == i ? 1 : 2); c++) {
+            const int64_t r = c ? i1 : i;
+            const float top = lse[r];
+            const float inv = top == -INFINITY ? 0.0f : 1.0f / total[c];
+            for (int64_t d = 0; d < D; d++) out[r * D + d] *= inv;
+            lse[r] = top == -INFINITY ? top : top + logf(total[c]);
+        }
+    }
+}
+
+/* Head g backward; buf: D BLOCK + 2 m BLOCK + m + BLOCK floats. */
+static void backward_head(const Landmarks *a, int64_t g, float *buf) {
+    const int64_t m = a->m, N = a->N, D = a->D;
+    const float *L = a->marks + g * m * D, *K = a->keys + g * N * D, *V = a->values + g * N * D;
+    const float *S = a->scores + g * m * N, *lse = a->lse + g * m, *out = a->shared + g * m * D;
+    const float *dout = a->dshared + g * m * D;
+    float *dL = a->dmarks + g * m * D, *dK = a->dkeys + g * N * D, *dV = a->dvalues + g * N * D;
+    float *vt = buf, *p = vt + D * BLOCK, *ds = p + m * BLOCK, *delta = ds + m * BLOCK, *zeros = delta + m;
+    memset(zeros, 0, BLOCK * sizeof(float));
+    for (int64_t i = 0; i < m; i++) {
+        float t = 0.0f;
+        for (int64_t d = 0; d < D; d++) t += dout[i * D + d] * out[i * D + d];
+        delta[i] = t;
+    }
+    memset(dL, 0, m * D * sizeof(float));
+    for (int64_t j0 = 0; j0 < N; j0 += BLOCK) {
+        const int64_t nb = N - j0 < BLOCK ? N - j0 : BLOCK;
+        transpose_block(V + j0 * D, nb, D, vt);
+        for (int64_t i = 0; i < m; i += 2) {
+            const int64_t i1 = i + 1 < m ? i + 1 : i;
+            float *p0 = p + i * nb, *p1 = p + i1 * nb, *ds0 = ds + i * nb, *ds1 = ds + i1 * nb;
+            /* d_scores = p (dV_s . v - delta) */
+            dots2(dout + i * D, dout + i1 * D, vt, zeros, nb, D, ds0, ds1);
+            for (int c = 0; c < (i1 == i ? 1 : 2); c++) {
+                const int64_t r = c ? i1 : i;
+                float *pr = c ? p1 : p0, *dr = c ? ds1 : ds0;
+                exps(S + r * N + j0, nb, lse[r], pr);
+                for (int64_t j = 0; j < nb; j++) dr[j] = pr[j] * (dr[j] - delta[r]);
+            }
+            mix2(ds0, ds1, K + j0 * D, nb, D, dL + i * D, dL + i1 * D, 1);
+        }
+        /* the block's key and value gradients: rank-m updates, written once */
+        memset(dK + j0 * D, 0, nb * D * sizeof(float));
+        memset(dV + j0 * D, 0, nb * D * sizeof(float));
+        add_outer(ds, L, m, nb, D, dK + j0 * D);
+        add_outer(p, dout, m, nb, D, dV + j0 * D);
+    }
+}
+
+/* Each query's best landmark for head g; buf: D m + m + 2 m floats. */
+static void route_head(const Landmarks *a, const float *q, const uint8_t *mark_ok, int64_t g, int64_t *best,
+                       float *buf) {
+    const int64_t m = a->m, N = a->N, D = a->D;
+    const float *Q = q + g * N * D;
+    float *mt = buf, *bias = mt + D * m, *r0 = bias + m, *r1 = r0 + m;
+    transpose_block(a->marks + g * m * D, m, D, mt);
+    key_bias(mark_ok ? mark_ok + g * m : NULL, 0, m, bias);
+    for (int64_t t = 0; t < N; t += 2) {
+        const int64_t t1 = t + 1 < N ? t + 1 : t;
+        dots2(Q + t * D, Q + t1 * D, mt, bias, m, D, r0, r1);
+        for (int c = 0; c < 2; c++) {
+            const float *r = c ? r1 : r0;
+            int64_t arg = -1;
+            float top = -INFINITY;
+            for (int64_t j = 0; j < m; j++)
+                if (r[j] > top) top = r[j], arg = j;
+            best[g * N + (c ? t1 : t)] = arg;
+        }
+    }
+}
+
+/* What one head does, with its thread's buffer. */
+typedef struct {
+    const Landmarks *a;
+    int kind; /* 0 forward, 1 backward, 2 routing */
+    const float *q;
+    const uint8_t *mark_ok;
+    int64_t *best;
+} Job;
+
+static void run_head(const Job *job, int64_t g, float *buf) {
+    if (job->kind == 0) forward_head(job->a, g, buf);
+    else if (job->kind == 1) backward_head(job->a, g, buf);
+    else route_head(job->a, job->q, job->mark_ok, g, job->best, buf);
+}
+
+/* The job over every head, whole heads per thread, each thread with a buffer of `floats`; 0 on success. */
+static int over_heads(const Job *job, int64_t floats) {
+    const Landmarks *a = job->a;
+    const int64_t threads = a->threads < 1 ? 1 : (a->threads > a->G ? a->G : a->threads);
+    int failed = 0;
+    /* the OpenMP runtime torch has loaded (see attentions/native.py); one thread without -fopenmp */
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *buf = (float *)malloc(sizeof(float) * floats);
+        failed |= buf == NULL;
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < a->G; g++)
+            if (buf) run_head(job, g, buf);
+        free(buf);
+    }
+    return failed;
+}
+
+int landmark_forward(const Landmarks *a) {
+    const Job job = {a, 0, NULL, NULL, NULL};
+    return over_heads(&job, a->D * BLOCK + 3 * BLOCK);
+}
+
+int landmark_backward(const Landmarks *a) {
+    const Job job = {a, 1, NULL, NULL, NULL};
+    return over_heads(&job, a->D * BLOCK + 2 * a->m * BLOCK + a->m + BLOCK);
+}
+
+/* q [G, N, D]; a->marks unscaled; mark_ok [G, m] or NULL; best [G, N] */
+int route_best(const Landmarks *a, const float *q, const uint8_t *mark_ok, int64_t *best) {
+    const Job job = {a, 2, q, mark_ok, best};
+    return over_heads(&job, a->D * a->m + 3 * a->m);
+}

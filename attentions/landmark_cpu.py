@@ -1,0 +1,116 @@
+"""MiTA's landmark pass and routing on a compiled C kernel for the CPU (landmark_cpu.c), float32.
+
+``landmark_pass`` is steps 2-3 of ``mita.reference`` for the shared expert: the landmarks' scores
+against every key (which the routed experts are selected from) and softmax(scores) V, with its
+backward. In PyTorch that is two batched matmuls and four [B, H, m, N] passes forward (the scores,
+the mask, the softmax, its copy for the backward) and five more backward; at LRA's lengths they took
+about half of MiTA's step. The kernel makes one pass over the keys in L1-sized blocks and keeps only
+the scores and one log-sum-exp per landmark. ``route_best`` is step 4 for one expert per query:
+q . L_j and the argmax in one pass, without the [B, H, N, m] gate tensor.
+
+Both give the PyTorch path's results up to float rounding (tests/test_landmark_cpu.py); other
+dtypes and devices, and machines where the kernel cannot be built, keep the PyTorch path (mita.py).
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional, Tuple
+
+import torch
+
+from . import native
+
+LIBRARY = "landmark_cpu"
+_i64, _ptr_t = ctypes.c_int64, ctypes.c_void_p
+
+
+class Landmarks(ctypes.Structure):
+    """The kernel's argument block (``Landmarks`` in landmark_cpu.c, field for field)."""
+
+    _fields_ = [(name, _i64) for name in ("G", "m", "N", "D", "heads", "threads")] + [
+        (name, _ptr_t) for name in (
+            "marks", "keys", "values", "key_ok", "scores", "lse", "shared", "dshared", "dmarks", "dkeys", "dvalues")]
+
+
+def library() -> Optional[ctypes.CDLL]:
+    lib = native.load(LIBRARY)
+    if lib is not None and not hasattr(lib, "_typed"):
+        block = ctypes.POINTER(Landmarks)
+        for fn in (lib.landmark_forward, lib.landmark_backward):
+            fn.argtypes, fn.restype = [block], ctypes.c_int
+        lib.route_best.argtypes, lib.route_best.restype = [block, _ptr_t, _ptr_t, _ptr_t], ctypes.c_int
+        lib._typed = True
+    return lib
+
+
+def fits(q: torch.Tensor) -> bool:
+    """Whether the kernels take these inputs: float32 CPU tensors, with the kernel built here."""
+    return q.device.type == "cpu" and q.dtype == torch.float32 and library() is not None
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def _check(status: int) -> None:
+    if status != 0:
+        raise MemoryError("the landmark CPU kernel could not allocate its per-thread buffers")
+
+
+class LandmarkPassCPU(torch.autograd.Function):
+    """(softmax(S) V, S) with S = marks K^T (-inf at masked keys), per head, on landmark_cpu.c."""
+
+    @staticmethod
+    def forward(ctx, marks, keys, values, key_ok, heads: int):
+        g, m, d = marks.shape  # marks [G, m, D] pre-scaled; keys, values [G, N, D]; key_ok [G / heads, N]
+        n = keys.shape[1]
+        scores, lse, shared = marks.new_empty(g, m, n), marks.new_empty(g, m), marks.new_empty(g, m, d)
+        args = Landmarks(G=g, m=m, N=n, D=d, heads=heads, threads=torch.get_num_threads(), marks=_ptr(marks),
+                         keys=_ptr(keys), values=_ptr(values), key_ok=_ptr(key_ok), scores=_ptr(scores),
+                         lse=_ptr(lse), shared=_ptr(shared))
+        _check(library().landmark_forward(ctypes.byref(args)))
+        ctx.save_for_backward(marks, keys, values, key_ok, scores, lse, shared)
+        ctx.args = args
+        ctx.mark_non_differentiable(scores)
+        return shared, scores
+
+    @staticmethod
+    def backward(ctx, d_shared: torch.Tensor, _d_scores: torch.Tensor):
+        marks, keys, values, *_ = ctx.saved_tensors  # (the forward's own tensors: its pointers still hold)
+        d_shared = d_shared.to(marks.dtype).contiguous()
+        d_marks, d_keys, d_values = torch.empty_like(marks), torch.empty_like(keys), torch.empty_like(values)
+        args = ctx.args
+        args.dshared, args.dmarks, args.dkeys, args.dvalues = (
+            _ptr(d_shared), _ptr(d_marks), _ptr(d_keys), _ptr(d_values))
+        _check(library().landmark_backward(ctypes.byref(args)))
+        return d_marks, d_keys, d_values, None, None
+
+
+def landmark_pass(
+    marks: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Shared values softmax(S) V [B, H, m, D] and the scores S = marks K^T [B, H, m, N] (-inf at
+    padded keys; not differentiable), for landmarks ``marks`` [B, H, m, D] already scaled by
+    1 / sqrt(D). Float32 CPU tensors with the kernel built (``fits``)."""
+    b, h, m, d = marks.shape
+    n = k.shape[2]
+    key_ok = None if mask is None else mask.contiguous().view(torch.uint8)  # [B, N]
+    shared, scores = LandmarkPassCPU.apply(
+        marks.reshape(b * h, m, d).contiguous(), k.reshape(b * h, n, d).contiguous(),
+        v.reshape(b * h, n, d).contiguous(), key_ok, h)
+    return shared.view(b, h, m, d), scores.view(b, h, m, n)
+
+
+@torch.no_grad()
+def route_best(q: torch.Tensor, marks: torch.Tensor, real_marks: Optional[torch.Tensor]) -> torch.Tensor:
+    """Each query's best real landmark: argmax_j q . marks_j over the landmarks with real_marks
+    (the first of equal values), -1 where a head has none. q [G, N, D], marks [G, m, D],
+    real_marks [G, m] bool or None (all real) -> [G, N] long."""
+    g, n, d = q.shape
+    m = marks.shape[1]
+    best = torch.empty(g, n, dtype=torch.long)
+    q, marks = q.contiguous(), marks.contiguous()  # (named, so they live through the call)
+    mark_ok = None if real_marks is None else real_marks.contiguous().view(torch.uint8)
+    args = Landmarks(G=g, m=m, N=n, D=d, heads=1, threads=torch.get_num_threads(), marks=_ptr(marks))
+    _check(library().route_best(ctypes.byref(args), _ptr(q), _ptr(mark_ok), _ptr(best)))
+    return best

@@ -1,0 +1,121 @@
+"""MiTA's landmark pass and routing on the C kernel (attentions/landmark_cpu.py) against the PyTorch
+path they replace: scores, shared values and the landmark/key/value gradients, padding, landmark
+counts that do not fill a pair, lengths that do not fill a key block, a landmark whose keys are all
+masked, the routing's ties and missing landmarks, and the same bits for any thread count."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attentions import build_attention, landmark_cpu
+from attentions.landmark_cpu import landmark_pass, route_best
+from conftest import lengths_mask, rel_err
+
+needs_kernel = pytest.mark.skipif(not landmark_cpu.fits(torch.zeros(1)),
+                                  reason="the C kernels do not build here (no C compiler)")
+
+
+def torch_pass(marks: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask):
+    """The PyTorch path of mita.build_experts: scaled scores, -inf at padding, softmax(scores) V."""
+    scores = marks @ k.transpose(-1, -2)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    return scores.softmax(dim=-1) @ v, scores
+
+
+def pass_and_grads(fn, marks, k, v, mask, weight):
+    shared, scores = fn(marks, k, v, mask)
+    grads = torch.autograd.grad((shared * weight).sum(), [marks, k, v])
+    return [scores.detach(), shared.detach(), *grads]
+
+
+@needs_kernel
+@pytest.mark.parametrize("b, h, m, n, d, lengths", [
+    (2, 2, 64, 1000, 32, [1000, 517]),  # LRA's settings, a padded row, N not a multiple of the block
+    (1, 3, 7, 130, 16, None),           # an odd landmark count: the last pair is one landmark
+    (2, 1, 1, 64, 33, [64, 1]),         # one landmark, D not a multiple of 8, a row with one real key
+    (1, 2, 5, 3, 8, None),              # fewer keys than one block
+])
+def test_landmark_pass_matches_torch(b, h, m, n, d, lengths) -> None:
+    gen = torch.Generator().manual_seed(0)
+    marks = (torch.randn(b, h, m, d, generator=gen) / math.sqrt(d)).requires_grad_()
+    k, v = (torch.randn(b, h, n, d, generator=gen).requires_grad_() for _ in range(2))
+    mask = None if lengths is None else lengths_mask(lengths, n)
+    weight = torch.randn(b, h, m, d, generator=gen)
+    got = pass_and_grads(landmark_pass, marks, k, v, mask, weight)
+    ref = pass_and_grads(torch_pass, marks, k, v, mask, weight)
+    for label, g, r in zip(["scores", "shared", "d_marks", "dk", "dv"], got, ref):
+        finite = torch.isfinite(r)
+        assert torch.equal(torch.isfinite(g), finite), f"{label}: -inf in other places"
+        assert rel_err(g[finite], r[finite]) < 1e-5, label
+    if mask is not None:
+        # padded keys get no gradient
+        assert got[3][~mask[:, None, :, None].expand_as(k)].abs().max() == 0
+
+
+@needs_kernel
+def test_a_landmark_with_every_key_masked_gives_zeros_not_nan() -> None:
+    # (a row with no real token; PyTorch's softmax gives NaN there)
+    marks = torch.randn(2, 1, 4, 8, requires_grad=True)
+    k, v = (torch.randn(2, 1, 10, 8, requires_grad=True) for _ in range(2))
+    mask = lengths_mask([10, 0], 10)
+    shared, scores = landmark_pass(marks, k, v, mask)
+    shared.sum().backward()
+    assert torch.isneginf(scores[1]).all() and torch.equal(shared[1], torch.zeros_like(shared[1]))
+    for grad in (marks.grad, k.grad, v.grad):
+        assert torch.isfinite(grad).all() and grad[1].abs().max() == 0 and grad[0].abs().max() > 0
+
+
+@needs_kernel
+def test_routing_matches_argmax_with_ties_and_missing_landmarks() -> None:
+    gen = torch.Generator().manual_seed(0)
+    g, n, m, d = 4, 301, 9, 16
+    q, marks = torch.randn(g, n, d, generator=gen), torch.randn(g, m, d, generator=gen)
+    marks[:, 5] = marks[:, 2]  # a tie between landmarks 2 and 5: the first wins, as in torch.argmax
+    real = torch.rand(g, m, generator=gen) > 0.3
+    real[:, 2] = True
+    real[3] = False  # a head with no real landmark
+    best = route_best(q, marks, real)
+    gate = (q @ marks.transpose(-1, -2)).masked_fill(~real[:, None, :], float("-inf"))
+    assert torch.equal(best[:3], gate[:3].argmax(-1))
+    assert (best[3] == -1).all()
+    assert (best[:3] != 5).all()
+    assert torch.equal(route_best(q, marks, None), (q @ marks.transpose(-1, -2)).argmax(-1))
+
+
+@needs_kernel
+def test_landmark_kernels_give_the_same_bits_with_one_or_two_threads() -> None:
+    gen = torch.Generator().manual_seed(0)
+    marks = torch.randn(3, 2, 64, 32, generator=gen).requires_grad_()
+    k, v = (torch.randn(3, 2, 700, 32, generator=gen).requires_grad_() for _ in range(2))
+    mask, weight = lengths_mask([700, 400, 9], 700), torch.randn(3, 2, 64, 32, generator=gen)
+    threads, results = torch.get_num_threads(), []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(pass_and_grads(landmark_pass, marks, k, v, mask, weight)
+                           + [route_best(k.detach().reshape(6, 700, 32), marks.detach().reshape(6, 64, 32), None)])
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*results):
+        assert torch.equal(one, two)
+
+
+@needs_kernel
+def test_mita_selects_the_same_keys_in_selected_keys_and_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    # selected_keys (the analyses) and the forward select through one function on one kernel
+    import attentions.mita as mita
+
+    attn = build_attention("mita", num_heads=2, head_dim=16, max_len=300, landmarks=8, topk=8)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 300, 16, generator=gen) for _ in range(3))
+    mask = lengths_mask([300, 200], 300)
+    seen = []
+    real_top_keys = mita.top_keys
+    monkeypatch.setattr(mita, "top_keys", lambda scores, keys: seen.append(scores) or real_top_keys(scores, keys))
+    index, _ = attn.selected_keys(q, k, mask)
+    attn(q, k, v, mask)
+    assert torch.equal(seen[0], seen[1])
+    assert torch.equal(index, real_top_keys(seen[1], 8)[0])

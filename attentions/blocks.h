@@ -136,4 +136,51 @@ static inline void add_outer(const float *w, const float *x, int64_t rows, int64
 }
 
 
+/* rows[0..8) of 8 floats each, transposed in registers: afterwards rows[d] holds element d of every
+ * input row. (A scalar transpose stored one float per cache line touched: building an expert's
+ * transposed key block that way cost twice the block's arithmetic.) */
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define LRA_HAS_TRANSPOSE8 1
+static inline void transpose8(v8 r[8]) {
+    v8 t[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    v8 u[8];
+    for (int i = 0; i < 8; i += 4)
+        for (int h = 0; h < 2; h++) {
+            u[i + 2 * h] = __builtin_shufflevector(t[i + h], t[i + h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+            u[i + 2 * h + 1] = __builtin_shufflevector(t[i + h], t[i + h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        }
+    for (int i = 0; i < 4; i++) {
+        r[i] = __builtin_shufflevector(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        r[i + 4] = __builtin_shufflevector(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+}
+#endif
+#endif
+
+/* t[d * stride + j] = rows[j][d] for j < count, d < D: count rows of D floats (each at its own
+ * address) into the columns of a transposed block; 8 x 8 tiles in registers where they fit. */
+static inline void transpose_rows(const float *const *rows, int64_t count, int64_t D, float *t, int64_t stride) {
+    int64_t j0 = 0;
+#ifdef LRA_HAS_TRANSPOSE8
+    for (; j0 + 8 <= count; j0 += 8) {
+        int64_t d0 = 0;
+        for (; d0 + 8 <= D; d0 += 8) {
+            v8 r[8];
+            for (int i = 0; i < 8; i++) r[i] = load8(rows[j0 + i] + d0);
+            transpose8(r);
+            for (int i = 0; i < 8; i++) store8(t + (d0 + i) * stride + j0, r[i]);
+        }
+        for (; d0 < D; d0++)
+            for (int i = 0; i < 8; i++) t[d0 * stride + j0 + i] = rows[j0 + i][d0];
+    }
+#endif
+    for (; j0 < count; j0++)
+        for (int64_t d = 0; d < D; d++) t[d * stride + j0] = rows[j0][d];
+}
+
 #endif

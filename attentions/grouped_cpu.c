@@ -57,23 +57,46 @@ static inline int64_t key_row(const Grouped *a, int64_t x, int64_t s) {
 }
 
 /* Column block [first, first + count) of the expert buffers from table rows: transposed kt, vt
- * [D][n] (vt only in the backward) and row-major kr, vr [n][D]; bias 0 or -inf per key. */
+ * [D][n] and row-major kr, vr [n][D] (vt and kr only in the backward: NULL in the forward); bias
+ * 0 or -inf per key. */
 static void load_keys(const Grouped *a, int64_t n, int64_t first, int64_t count, const float *keys,
                       const float *values, const int64_t *row_of, const uint8_t *ok, float *kt, float *vt,
                       float *kr, float *vr, float *bias) {
     const int64_t D = a->D;
-    for (int64_t s = 0; s < count; s++) {
-        const int64_t j = first + s;
-        const float *k = keys + row_of[s] * D, *v = values + row_of[s] * D;
-        float *kj = kr + j * D, *vj = vr + j * D;
-        /* rows of a few vectors: copied inline (a memcpy call per row cost 1/8 of the forward) */
-        int64_t d = 0;
-        for (; d + 8 <= D; d += 8) store8(kj + d, load8(k + d)), store8(vj + d, load8(v + d));
-        for (; d < D; d++) kj[d] = k[d], vj[d] = v[d];
-        for (d = 0; d < D; d++) kt[d * n + j] = k[d];
-        if (vt)
-            for (d = 0; d < D; d++) vt[d * n + j] = v[d];
-        bias[j] = (ok && !ok[s]) ? -INFINITY : 0.0f;
+    for (int64_t s0 = 0; s0 < count; s0 += 8) {
+        const int64_t c = count - s0 < 8 ? count - s0 : 8;
+        const float *krow[8], *vrow[8];
+        for (int64_t i = 0; i < c; i++) {
+            const int64_t s = s0 + i, j = first + s;
+            krow[i] = keys + row_of[s] * D, vrow[i] = values + row_of[s] * D;
+            /* rows of a few vectors: copied inline (a memcpy call per row cost 1/8 of the forward) */
+            float *vj = vr + j * D;
+            int64_t d = 0;
+            for (; d + 8 <= D; d += 8) store8(vj + d, load8(vrow[i] + d));
+            for (; d < D; d++) vj[d] = vrow[i][d];
+            if (kr) {
+                float *kj = kr + j * D;
+                for (d = 0; d + 8 <= D; d += 8) store8(kj + d, load8(krow[i] + d));
+                for (; d < D; d++) kj[d] = krow[i][d];
+            }
+            bias[j] = (ok && !ok[s]) ? -INFINITY : 0.0f;
+        }
+        transpose_rows(krow, c, D, kt + first + s0, n);
+        if (vt) transpose_rows(vrow, c, D, vt + first + s0, n);
+    }
+}
+
+/* Asks for the key and value rows of expert x (routed keys) ahead of load_expert: they lie anywhere
+ * in the tables, and waiting for them was a quarter of the forward at N = 2K. */
+static void prefetch_expert(const Grouped *a, int64_t x) {
+    if (x >= a->experts) return;
+    const int64_t D = a->D;
+    for (int64_t s = 0; s < a->S; s++) {
+        const int64_t r = key_row(a, x, s);
+        for (int64_t d = 0; d < D; d += 16) {
+            __builtin_prefetch(a->keys + r * D + d, 0, 3);
+            __builtin_prefetch(a->values + r * D + d, 0, 3);
+        }
     }
 }
 
@@ -210,7 +233,8 @@ static void *run_work(void *arg) {
     for (int64_t x = w->first; x < w->last; x++) {
         const int64_t begin = a->offsets[x], end = a->offsets[x + 1];
         if (begin == end) continue;
-        load_expert(a, x, &group_loaded, row_of, kt, w->backward ? vt : NULL, kr, vr, bias);
+        load_expert(a, x, &group_loaded, row_of, kt, w->backward ? vt : NULL, w->backward ? kr : NULL, vr, bias);
+        prefetch_expert(a, x + 1);
         if (!w->backward) {
             for (int64_t t = begin; t < end; t += 2) {
                 const int64_t u = t + 1 < end ? t + 1 : t;

@@ -40,8 +40,12 @@ typedef struct {
 
 /* The [nb][D] rows at src transposed into t [D][nb]. */
 static void transpose_block(const float *src, int64_t nb, int64_t D, float *t) {
-    for (int64_t j = 0; j < nb; j++)
-        for (int64_t d = 0; d < D; d++) t[d * nb + j] = src[j * D + d];
+    for (int64_t j0 = 0; j0 < nb; j0 += 8) {
+        const float *rows[8];
+        const int64_t c = nb - j0 < 8 ? nb - j0 : 8;
+        for (int64_t i = 0; i < c; i++) rows[i] = src + (j0 + i) * D;
+        transpose_rows(rows, c, D, t + j0, nb);
+    }
 }
 
 /* 0 for a real key, -inf for a masked one, over keys [j0, j0 + nb). */
@@ -208,4 +212,49 @@ int landmark_backward(const Landmarks *a) {
 int route_best(const Landmarks *a, const float *q, const uint8_t *mark_ok, int64_t *best) {
     const Job job = {a, 2, q, mark_ok, best};
     return over_heads(&job, a->D * a->m + 3 * a->m);
+}
+
+/* Step 1, the landmarks: bin means of each head's queries. x [G, N, D]; bins [G / heads, m] of
+ * [start, end) (end > start for a real bin; end == start: a missing bin, mean 0); out [G, m, D].
+ * The backward (backward != 0) spreads dout [G, m, D] back over the bins into dx [G, N, D],
+ * written whole: a token in two overlapping bins gets both shares. */
+typedef struct {
+    int64_t G, m, N, D, heads, threads, backward;
+    const int64_t *starts, *ends;
+    const float *x, *dout;
+    float *out, *dx;
+} Pool;
+
+static void pool_head(const Pool *a, int64_t g) {
+    const int64_t m = a->m, N = a->N, D = a->D;
+    const int64_t *starts = a->starts + (g / a->heads) * m, *ends = a->ends + (g / a->heads) * m;
+    if (a->backward) {
+        float *dx = a->dx + g * N * D;
+        memset(dx, 0, N * D * sizeof(float));
+        for (int64_t j = 0; j < m; j++) {
+            if (ends[j] <= starts[j]) continue;
+            const float *g_row = a->dout + (g * m + j) * D;
+            const float inv = 1.0f / (float)(ends[j] - starts[j]);
+            for (int64_t t = starts[j]; t < ends[j]; t++)
+                for (int64_t d = 0; d < D; d++) dx[t * D + d] += g_row[d] * inv;
+        }
+        return;
+    }
+    const float *x = a->x + g * N * D;
+    for (int64_t j = 0; j < m; j++) {
+        float *row = a->out + (g * m + j) * D;
+        memset(row, 0, D * sizeof(float));
+        if (ends[j] <= starts[j]) continue;
+        for (int64_t t = starts[j]; t < ends[j]; t++)
+            for (int64_t d = 0; d < D; d++) row[d] += x[t * D + d];
+        const float inv = 1.0f / (float)(ends[j] - starts[j]);
+        for (int64_t d = 0; d < D; d++) row[d] *= inv;
+    }
+}
+
+int pool_bins(const Pool *a) {
+    const int64_t threads = a->threads < 1 ? 1 : (a->threads > a->G ? a->G : a->threads);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < a->G; g++) pool_head(a, g);
+    return 0;
 }

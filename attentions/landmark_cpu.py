@@ -1,5 +1,8 @@
 """MiTA's landmark pass and routing on a compiled C kernel for the CPU (landmark_cpu.c), float32.
 
+``pool_queries`` is step 1 (the landmarks: bin means of the queries over each sequence's real
+tokens) without the [B, m, N] pooling matrix the PyTorch path builds and multiplies by.
+
 ``landmark_pass`` is steps 2-3 of ``mita.reference`` for the shared expert: the landmarks' scores
 against every key (which the routed experts are selected from) and softmax(scores) V, with its
 backward. In PyTorch that is two batched matmuls and four [B, H, m, N] passes forward (the scores,
@@ -19,6 +22,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import native
+from .masking import real_lengths
 
 LIBRARY = "landmark_cpu"
 _i64, _ptr_t = ctypes.c_int64, ctypes.c_void_p
@@ -39,6 +43,7 @@ def library() -> Optional[ctypes.CDLL]:
         for fn in (lib.landmark_forward, lib.landmark_backward):
             fn.argtypes, fn.restype = [block], ctypes.c_int
         lib.route_best.argtypes, lib.route_best.restype = [block, _ptr_t, _ptr_t, _ptr_t], ctypes.c_int
+        lib.pool_bins.argtypes, lib.pool_bins.restype = [ctypes.POINTER(Pool)], ctypes.c_int
         lib._typed = True
     return lib
 
@@ -55,6 +60,53 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 def _check(status: int) -> None:
     if status != 0:
         raise MemoryError("the landmark CPU kernel could not allocate its per-thread buffers")
+
+
+class Pool(ctypes.Structure):
+    """The pooling kernel's argument block (``Pool`` in landmark_cpu.c, field for field)."""
+
+    _fields_ = [(name, _i64) for name in ("G", "m", "N", "D", "heads", "threads", "backward")] + [
+        (name, _ptr_t) for name in ("starts", "ends", "x", "dout", "out", "dx")]
+
+
+class PoolBinsCPU(torch.autograd.Function):
+    """Bin means of x [G, N, D] over bins [start, end) per sequence ([G / heads, m] each) -> [G, m, D]."""
+
+    @staticmethod
+    def forward(ctx, x, starts, ends, heads: int):
+        g, n, d = x.shape
+        out = x.new_empty(g, starts.shape[1], d)
+        args = Pool(G=g, m=starts.shape[1], N=n, D=d, heads=heads, threads=torch.get_num_threads(), backward=0,
+                    starts=_ptr(starts), ends=_ptr(ends), x=_ptr(x), out=_ptr(out))
+        _check(library().pool_bins(ctypes.byref(args)))
+        ctx.save_for_backward(starts, ends)
+        ctx.args = args
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out: torch.Tensor):
+        starts, ends = ctx.saved_tensors
+        args = ctx.args
+        d_out = d_out.to(torch.float32).contiguous()
+        dx = d_out.new_empty(args.G, args.N, args.D)
+        args.backward, args.dout, args.dx = 1, _ptr(d_out), _ptr(dx)
+        _check(library().pool_bins(ctypes.byref(args)))
+        return dx, None, None, None
+
+
+def pool_queries(q: torch.Tensor, mask: Optional[torch.Tensor], bins: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """masking.pool_real on the kernel: q [B, H, N, D] pooled into ``bins`` bins laid over each
+    sequence's real tokens (torch's bin rule; a sequence shorter than ``bins`` gets one bin per token
+    and zeros beyond) -> landmarks [B, H, bins, D] and real bins [B, bins]."""
+    b, h, n, d = q.shape
+    lengths = real_lengths(mask, b, n, q.device)[:, None]  # [B, 1]
+    count = lengths.clamp(max=bins)  # [B, 1] bins of each sequence
+    j = torch.arange(bins)[None, :]  # [1, bins]
+    real = j < count  # [B, bins]
+    starts = torch.where(real, j * lengths // count, 0).contiguous()
+    ends = torch.where(real, -((-(j + 1) * lengths) // count), 0).contiguous()  # ceil((j + 1) length / count)
+    pooled = PoolBinsCPU.apply(q.reshape(b * h, n, d).contiguous(), starts, ends, h)
+    return pooled.view(b, h, bins, d), real
 
 
 class LandmarkPassCPU(torch.autograd.Function):

@@ -26,7 +26,7 @@ from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs, i
 from .grouped import gather_rows, merge
 from .grouped_cpu import grouped_attention_cpu
 from .grouped_triton import check_kernel, kernel_name, pick_grouped
-from .landmark_cpu import fits as landmark_kernel_fits, landmark_pass, route_best
+from .landmark_cpu import fits as landmark_kernel_fits, landmark_pass, pool_queries, route_best
 from .masking import pool_real, real_key_mask
 from .registry import register
 from .select import topk_unsorted
@@ -118,10 +118,10 @@ def build_experts(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Steps 1-3: landmarks [B, H, m, D], real landmarks [B, m], each landmark's key index
     [B, H, m, keys] and which of those are real keys [B, H, m, keys], shared values [B, H, m, D].
-    native: the scores and shared values from the C landmark pass (landmark_cpu.py) where it takes
-    the inputs (float32 on the CPU), instead of the PyTorch matmuls and softmax."""
+    native: the landmarks, scores and shared values from the C kernels (landmark_cpu.py) where they
+    take the inputs (float32 on the CPU), instead of the PyTorch pooling matrix, matmuls and softmax."""
     if native and landmark_kernel_fits(q):
-        marks, real_marks = pool_real(q, mask, landmarks)
+        marks, real_marks = pool_queries(q, mask, landmarks)
         shared_values, scores = landmark_pass(marks / math.sqrt(q.shape[-1]), k, v, mask)
     else:
         marks, real_marks, scores = landmark_scores(q, k, mask, landmarks)
@@ -245,6 +245,8 @@ class MiTAAttention(Attention):
         cfg = self.cfg
         b, h, n, d = q.shape
         m, per_query = cfg.landmarks, cfg.experts_per_query
+        # one copy each of inputs that arrive as strided views (the model's q, k, v), not one per step
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         keys = min(cfg.topk // per_query, n)
         grouped_attention = pick_grouped(cfg.kernel, q.device)
         # the C kernels on the CPU: the landmark pass and routing as well as the grouped attention

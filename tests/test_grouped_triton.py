@@ -44,6 +44,8 @@ GROUPED_CASES = {
     # D below the smallest tile (16)
     "P40-X4-S8-D8-M8-group2-masked-lse": (40, 4, 8, 8, 8, 2, True, True),
     "P1000-X16-S64-D32-M64-group8-lse": (1000, 16, 64, 32, 64, 8, False, True),
+    # D and S and M not multiples of 8 (the C kernel's register tiles)
+    "P90-X6-S13-D12-M5-group2-masked-lse": (90, 6, 13, 12, 5, 2, True, True),
 }
 
 

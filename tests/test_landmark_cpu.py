@@ -1,5 +1,5 @@
-"""MiTA's landmark pass and routing on the C kernel (attentions/landmark_cpu.py) against the PyTorch
-path they replace: scores, shared values and the landmark/key/value gradients, padding, landmark
+"""MiTA's pooling, landmark pass and routing on the C kernel (attentions/landmark_cpu.py) against the
+PyTorch path they replace: landmarks, scores, shared values and the gradients, padding, landmark
 counts that do not fill a pair, lengths that do not fill a key block, a landmark whose keys are all
 masked, the routing's ties and missing landmarks, and the same bits for any thread count."""
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from attentions import build_attention, landmark_cpu
-from attentions.landmark_cpu import landmark_pass, route_best
+from attentions.landmark_cpu import landmark_pass, pool_queries, route_best
+from attentions.masking import pool_real
 from conftest import lengths_mask, rel_err
 
 needs_kernel = pytest.mark.skipif(not landmark_cpu.fits(torch.zeros(1)),
@@ -119,3 +120,24 @@ def test_mita_selects_the_same_keys_in_selected_keys_and_forward(monkeypatch: py
     attn(q, k, v, mask)
     assert torch.equal(seen[0], seen[1])
     assert torch.equal(index, real_top_keys(seen[1], 8)[0])
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, d, bins, lengths", [
+    (1000, 32, 64, [1000, 517, 40]),  # padded rows; one shorter than the bin count (one bin per token)
+    (67, 12, 8, None),                # no mask, bins that overlap (67 tokens in 8 bins)
+    (100, 8, 64, [100, 3]),
+])
+def test_pooled_landmarks_match_pool_real(n, d, bins, lengths) -> None:
+    gen = torch.Generator().manual_seed(0)
+    b = 1 if lengths is None else len(lengths)
+    q = torch.randn(b, 2, n, d, generator=gen).requires_grad_()
+    mask = None if lengths is None else lengths_mask(lengths, n)
+    weight = torch.randn(b, 2, bins, d, generator=gen)
+    got, got_real = pool_queries(q, mask, bins)
+    ref, ref_real = pool_real(q, mask, bins)
+    assert torch.equal(got_real, ref_real)
+    assert rel_err(got, ref) < 1e-6
+    got_grad, = torch.autograd.grad((got * weight).sum(), q)
+    ref_grad, = torch.autograd.grad((ref * weight).sum(), q)
+    assert rel_err(got_grad, ref_grad) < 1e-6

@@ -13,6 +13,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from . import allocator
+
 
 def git_commit() -> str:
     """The commit of the checkout the package runs from, with ``+dirty`` for local changes."""
@@ -38,6 +40,7 @@ def environment(device: torch.device) -> Dict[str, Any]:
         "python": platform.python_version(),
         "git_commit": git_commit(),
         "hostname": socket.gethostname(),
+        "allocator": allocator.describe(),
     }
 
 
@@ -126,6 +129,7 @@ def versions() -> Dict[str, Any]:
         "cuda": torch.version.cuda,
         "flash_attn": flash,
         "git_commit": git_commit(),
+        "allocator": allocator.describe(),
     }
 
 

@@ -81,6 +81,8 @@ class Record:
     # float32 matmul rate (GFLOP/s, 1024 x 1024, the run's thread count) measured when training
     # ended, beside the load: tells apart machines of the same name; added later, older records lack it
     matmul_gflops: Optional[float] = None
+    # the C allocator's setting during training (lra/allocator.py); added later, older records lack it
+    allocator: Optional[str] = None
     schema: int = SCHEMA_VERSION
 
     def to_dict(self) -> Dict[str, Any]:

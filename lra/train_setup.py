@@ -14,6 +14,7 @@ from attentions import get_attention
 from attentions.check import output_problem
 
 from . import distributed
+from .allocator import keep_freed_memory
 from .augment import check_augment
 from .config import RunConfig
 from .errors import UserError
@@ -85,6 +86,7 @@ def setup(cfg: RunConfig, quiet: bool) -> Run:
         raise UserError(f"train.batch_size ({tc.batch_size}) must be divisible by the {d.world_size} processes")
     if tc.threads:
         torch.set_num_threads(tc.threads)
+    keep_freed_memory()
     bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
 
     # the source of --init-from is checked before any data is read or generated

@@ -7,7 +7,10 @@ change of machine load hits them alike; the median of the rounds is reported wit
 divided by each backend's. Unlike ``lra-bench model --preset lra`` (a process per point, records
 and tables), this is the quick A/B tool: point PYTHONPATH at another checkout to time its code.
 
-    python scripts/step_compare.py --attn full,mita,moba,topk --lengths 1024,2048,4096 --batch 8
+    python scripts/step_compare.py --attn full,mita,moba,topk,floor --lengths 1024,2048,4096 --batch 8
+
+(``floor`` times the model with a pass-through attention: full / floor is the ceiling of any
+backend's ratio.)
 """
 from __future__ import annotations
 
@@ -25,17 +28,26 @@ import torch.nn.functional as F
 # the installed (or PYTHONPATH's) lra first, so another checkout can be timed; this one otherwise
 if importlib.util.find_spec("lra") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from lra.allocator import keep_freed_memory  # noqa: E402
+from lra.bench.estimate import PassThrough  # noqa: E402
 from lra.config import ModelConfig  # noqa: E402
 from lra.model import LRAModel  # noqa: E402
 
 VOCAB, CLASSES = 20, 10
+FLOOR = "floor"
 
 
 def make_step(backend: str, n: int, batch: int, seed: int) -> Callable[[], None]:
-    """One training step of the LRA encoder with ``backend`` on a fixed padded batch."""
+    """One training step of the LRA encoder with ``backend`` on a fixed padded batch; backend
+    "floor": the model with every attention replaced by a pass-through (output = v), i.e. what
+    the rest of the model costs, which no backend can go below."""
     torch.manual_seed(seed)
     cfg = ModelConfig(num_layers=2, dim=64, num_heads=2, ffn_dim=128, dropout=0.1)
-    model = LRAModel(cfg, backend, {}, vocab_size=VOCAB, num_classes=CLASSES, max_len=n)
+    model = LRAModel(cfg, "full" if backend == FLOOR else backend, {}, vocab_size=VOCAB, num_classes=CLASSES,
+                     max_len=n)
+    if backend == FLOOR:
+        for block in model.encoder.blocks:
+            block.attn = PassThrough()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (batch, n), generator=gen)  # [B, N]
@@ -67,7 +79,8 @@ def compare(backends: List[str], n: int, batch: int, rounds: int, seed: int) -> 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--attn", default="full,mita,moba,topk", help="backends, comma-separated; full first")
+    p.add_argument("--attn", default="full,mita,moba,topk",
+                   help=f"backends, comma-separated; full first; {FLOOR!r}: the model without attention")
     p.add_argument("--lengths", default="1024,2048,4096")
     p.add_argument("--batch", default="8", help="batch sizes, comma-separated")
     p.add_argument("--rounds", type=int, default=5)
@@ -75,6 +88,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    keep_freed_memory()
     backends = args.attn.split(",")
     load = os.getloadavg()[0]
     print(f"| batch | N | " + " | ".join(f"{b} step" for b in backends) + " | "

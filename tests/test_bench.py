@@ -250,5 +250,8 @@ def test_step_compare_times_every_backend_on_a_padded_batch() -> None:
     spec = importlib.util.spec_from_file_location("step_compare", Path(__file__).parent.parent / "scripts" / "step_compare.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    medians = module.compare(["full", "mita"], n=128, batch=2, rounds=2, seed=0)
-    assert set(medians) == {"full", "mita"} and all(t > 0 for t in medians.values())
+    medians = module.compare(["full", "mita", "floor"], n=128, batch=2, rounds=2, seed=0)
+    assert set(medians) == {"full", "mita", "floor"} and all(t > 0 for t in medians.values())
+    # the floor's model has no attention left in it
+    step = module.make_step("floor", 64, 1, 0)
+    step()

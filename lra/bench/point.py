@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
+from ..allocator import keep_freed_memory
 from .estimate import PassThrough, add_stats, scale_stats, slice_fn
 from .measure import (
     OverBudget,
@@ -126,6 +127,7 @@ def run_point(spec: Dict[str, Any]) -> Dict[str, Any]:
     dtype = DTYPES[spec["dtype"]]
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
+    keep_freed_memory()
     torch.manual_seed(spec["seed"])
     # start the thread pool (and CUDA) before the memory cap and the baseline are taken
     timed(lambda: torch.ones(256, 256, device=device) @ torch.ones(256, 256, device=device), device)

@@ -169,8 +169,10 @@ def in_batch_chunks(
     rows = max(1, CPU_BATCH_TOKENS // (h * n))
     if q.is_cuda or b <= rows:
         return None
-    parts = [
-        forward(q[i : i + rows], k[i : i + rows], v[i : i + rows], None if mask is None else mask[i : i + rows])
-        for i in range(0, b, rows)
-    ]
+    # torch.split, not one slice per part: a slice's backward makes a zero gradient of the whole
+    # batch and copies its part in, so P parts cost P whole-batch fills and adds per input (at
+    # B=32, N=4K that made MiTA's layer 1.8x slower per sequence than at B=8); a split's backward
+    # is one concatenation
+    masks = [None] * len(range(0, b, rows)) if mask is None else mask.split(rows)
+    parts = [forward(*chunk, part_mask) for *chunk, part_mask in zip(q.split(rows), k.split(rows), v.split(rows), masks)]
     return torch.cat(parts, dim=0)

@@ -86,20 +86,6 @@ static void load_keys(const Grouped *a, int64_t n, int64_t first, int64_t count,
     }
 }
 
-/* Asks for the key and value rows of expert x (routed keys) ahead of load_expert: they lie anywhere
- * in the tables, and waiting for them was a quarter of the forward at N = 2K. */
-static void prefetch_expert(const Grouped *a, int64_t x) {
-    if (x >= a->experts) return;
-    const int64_t D = a->D;
-    for (int64_t s = 0; s < a->S; s++) {
-        const int64_t r = key_row(a, x, s);
-        for (int64_t d = 0; d < D; d += 16) {
-            __builtin_prefetch(a->keys + r * D + d, 0, 3);
-            __builtin_prefetch(a->values + r * D + d, 0, 3);
-        }
-    }
-}
-
 /* The buffers of expert x: its group's shared keys (when the group changed) and its own keys. */
 static void load_expert(const Grouped *a, int64_t x, int64_t *group_loaded, int64_t *row_of, float *kt,
                         float *vt, float *kr, float *vr, float *bias) {
@@ -234,7 +220,6 @@ static void *run_work(void *arg) {
         const int64_t begin = a->offsets[x], end = a->offsets[x + 1];
         if (begin == end) continue;
         load_expert(a, x, &group_loaded, row_of, kt, w->backward ? vt : NULL, w->backward ? kr : NULL, vr, bias);
-        prefetch_expert(a, x + 1);
         if (!w->backward) {
             for (int64_t t = begin; t < end; t += 2) {
                 const int64_t u = t + 1 < end ? t + 1 : t;

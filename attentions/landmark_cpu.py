@@ -22,7 +22,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import native
-from .masking import real_lengths
+from .masking import real_bins, real_lengths
 
 LIBRARY = "landmark_cpu"
 _i64, _ptr_t = ctypes.c_int64, ctypes.c_void_p
@@ -99,12 +99,9 @@ def pool_queries(q: torch.Tensor, mask: Optional[torch.Tensor], bins: int) -> Tu
     sequence's real tokens (torch's bin rule; a sequence shorter than ``bins`` gets one bin per token
     and zeros beyond) -> landmarks [B, H, bins, D] and real bins [B, bins]."""
     b, h, n, d = q.shape
-    lengths = real_lengths(mask, b, n, q.device)[:, None]  # [B, 1]
-    count = lengths.clamp(max=bins)  # [B, 1] bins of each sequence
-    j = torch.arange(bins)[None, :]  # [1, bins]
-    real = j < count  # [B, bins]
-    starts = torch.where(real, j * lengths // count, 0).contiguous()
-    ends = torch.where(real, -((-(j + 1) * lengths) // count), 0).contiguous()  # ceil((j + 1) length / count)
+    starts, ends, real = real_bins(real_lengths(mask, b, n, q.device), bins)  # [B, bins] each
+    # a missing bin is empty for the kernel (end == start)
+    starts, ends = starts.masked_fill(~real, 0).contiguous(), ends.masked_fill(~real, 0).contiguous()
     pooled = PoolBinsCPU.apply(q.reshape(b * h, n, d).contiguous(), starts, ends, h)
     return pooled.view(b, h, bins, d), real
 

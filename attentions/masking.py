@@ -60,6 +60,17 @@ def adaptive_pool(x: torch.Tensor, bins: int) -> torch.Tensor:
     return (gathered * weights[None, None, :, :, None]).sum(dim=3).to(x.dtype)
 
 
+def real_bins(lengths: torch.Tensor, bins: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Bins laid over each sequence's real tokens (torch's adaptive-pool rule over ``length`` tokens,
+    ``min(bins, length)`` bins): starts and ends [B, bins] (bin j covers [start, end); past a
+    sequence's bin count the values are meaningless) and which bins are real [B, bins]."""
+    count = lengths.clamp(max=bins)[:, None]  # [B, 1] bins of each sequence
+    j = torch.arange(bins, device=lengths.device)[None, :]  # [1, bins]
+    starts = j * lengths[:, None] // count  # [B, bins]
+    ends = -((-(j + 1) * lengths[:, None]) // count)  # ceil((j+1) length / count)
+    return starts, ends, j < count
+
+
 def pool_real(x: torch.Tensor, mask: Optional[torch.Tensor], bins: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Pool ``x`` into ``bins`` bins laid over each sequence's real tokens.
 
@@ -77,14 +88,9 @@ def pool_real(x: torch.Tensor, mask: Optional[torch.Tensor], bins: int) -> Tuple
         bin_mask = torch.zeros(b, bins, dtype=torch.bool, device=x.device)
         bin_mask[:, :m] = True
         return pooled, bin_mask
-    lengths = real_lengths(mask, b, n, x.device)
-    # one pooling matrix for the batch: row j of sequence i averages bin j of its real tokens
-    # (torch's bin rule over ``length`` tokens, ``min(bins, length)`` bins), zero for a missing bin
-    count = lengths.clamp(max=bins)[:, None]  # [B, 1] bins of each sequence
-    j = torch.arange(bins, device=x.device)[None, :]  # [1, bins]
-    starts = j * lengths[:, None] // count  # [B, bins]
-    ends = -((-(j + 1) * lengths[:, None]) // count)  # ceil((j+1) length / count)
-    bin_mask = j < count  # [B, bins]
+    starts, ends, bin_mask = real_bins(real_lengths(mask, b, n, x.device), bins)
+    # one pooling matrix for the batch: row j of sequence i averages bin j of its real tokens,
+    # zero for a missing bin
     position = torch.arange(n, device=x.device)
     inside = (position >= starts[..., None]) & (position < ends[..., None]) & bin_mask[..., None]  # [B, bins, N]
     # accumulate in float32 at least (bf16 sums of long bins lose digits)

@@ -24,28 +24,28 @@ SETTINGS = ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PA
 _applied = None
 
 
+def _mallopt():
+    """glibc's mallopt where this process may use it (Linux, LRA_MALLOC_TUNING not 0), else None."""
+    if not sys.platform.startswith("linux") or os.environ.get("LRA_MALLOC_TUNING", "1") == "0":
+        return None
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return None
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt
+
+
 def keep_freed_memory() -> bool:
     """Set glibc's thresholds (once per process); whether they are in effect."""
     global _applied
     if _applied is None:
-        _applied = False
-        if sys.platform.startswith("linux") and os.environ.get("LRA_MALLOC_TUNING", "1") != "0":
-            try:
-                mallopt = ctypes.CDLL(None).mallopt
-            except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-                return False
-            mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-            _applied = all(mallopt(param, value) == 1 for param, value in SETTINGS)
+        mallopt = _mallopt()
+        _applied = mallopt is not None and all(mallopt(param, value) == 1 for param, value in SETTINGS)
     return _applied
 
 
 def describe() -> str:
     """What the records say about the allocator of the process that measures (this one, or a child
     with its environment)."""
-    if not sys.platform.startswith("linux") or os.environ.get("LRA_MALLOC_TUNING", "1") == "0":
-        return "system default"
-    try:
-        ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return "system default"
-    return "glibc, freed blocks up to 32 MiB kept (lra/allocator.py)"
+    return "system default" if _mallopt() is None else "glibc, freed blocks up to 32 MiB kept (lra/allocator.py)"

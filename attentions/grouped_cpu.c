@@ -40,7 +40,7 @@ typedef struct {
     float *lse;              /* [P] forward; read by the backward */
     float *probs;            /* [P, M + S] softmax rows in sorted pair order, or NULL: recomputed */
     const float *dout;       /* [P, D] backward */
-    const float *offset;     /* [P] backward */
+    const float *dlse;       /* [P] backward, the lse's gradient, or NULL: none */
     float *dq;               /* [P, D] backward, zeros for pairs with no expert */
     float *dkeys, *dvalues;  /* [R, D] backward, zero-filled by the caller */
     float *dskeys, *dsvalues;/* [G, M, D] backward, zero-filled by the caller */
@@ -163,10 +163,12 @@ static void backward_two(const Grouped *a, const int64_t pair[2], int64_t n, con
             for (int64_t j = 0; j < n; j++) p[c][j] = lse == -INFINITY ? 0.0f : exp_nonpos(p[c][j] - lse);
         }
     }
-    /* d_logits = p (d_out . v + offset) */
+    /* d_logits = p (d_out . v + offset), offset = d_lse - d_out . out */
     dots2(dout[0], dout[1], vt, zeros, n, D, ds[0], ds[1]);
     for (int c = 0; c < count; c++) {
-        const float offset = a->offset[pair[c]];
+        const float *o = a->out + pair[c] * D;
+        float offset = a->dlse ? a->dlse[pair[c]] : 0.0f;
+        for (int64_t d = 0; d < D; d++) offset -= dout[c][d] * o[d];
         for (int64_t j = 0; j < n; j++) ds[c][j] = p[c][j] * (ds[c][j] + offset);
     }
     float *dq0 = a->dq + pair[0] * D, *dq1 = a->dq + pair[1] * D;

@@ -35,7 +35,7 @@ class Grouped(ctypes.Structure):
     _fields_ = [(name, _i64) for name in ("experts", "S", "D", "M", "group", "unit", "threads")] + [
         ("scale", _f)] + [(name, ctypes.c_void_p) for name in (
             "q", "order", "offsets", "keys", "values", "rows", "key_ok", "skeys", "svalues", "sok", "out", "lse",
-            "probs", "dout", "offset", "dq", "dkeys", "dvalues", "dskeys", "dsvalues")]
+            "probs", "dout", "dlse", "dq", "dkeys", "dvalues", "dskeys", "dsvalues")]
 
 
 def library() -> Optional[ctypes.CDLL]:
@@ -61,52 +61,69 @@ def _call(fn_name: str, args: Grouped) -> None:
         raise MemoryError("the grouped CPU kernel could not allocate its per-thread buffers")
 
 
+def forward_call(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets,
+                 group: int, scale: float, unit: int) -> Tuple[torch.Tensor, torch.Tensor, Grouped]:
+    """The kernel's forward on prepared inputs (see ``grouped_attention_cpu``): out [P, D], lse [P]
+    and the argument block that ``backward_call`` takes; it points into the inputs, the results and
+    the saved softmax rows (``block.probs_tensor``): keep them alive until the backward."""
+    x, s = rows.shape if rows is not None else keys.shape[:2]
+    m = 0 if shared_keys is None else shared_keys.shape[1]
+    out, lse = torch.empty_like(q), q.new_empty(q.shape[0])  # [P, D], [P]: the kernel writes every pair ...
+    none = order[offsets[-1]:]  # ... in an expert's run; a pair with no expert gets 0 and -inf
+    out[none], lse[none] = 0.0, float("-inf")
+    # the softmax rows [P, M + S] are kept for the backward when they fit (else recomputed)
+    probs = q.new_empty(q.shape[0], m + s) if q.shape[0] * (m + s) <= SAVE_ELEMENTS else None
+    args = Grouped(
+        experts=x, S=s, D=q.shape[1], M=m, group=group, unit=unit, threads=torch.get_num_threads(), scale=scale,
+        q=_ptr(q), order=_ptr(order), offsets=_ptr(offsets), keys=_ptr(keys), values=_ptr(values), rows=_ptr(rows),
+        key_ok=_ptr(key_ok), skeys=_ptr(shared_keys), svalues=_ptr(shared_values), sok=_ptr(shared_ok),
+        out=_ptr(out), lse=_ptr(lse), probs=_ptr(probs),
+    )
+    _call("grouped_forward", args)
+    args.probs_tensor = probs
+    return out, lse, args
+
+
+def backward_call(args: Grouped, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  shared_keys: Optional[torch.Tensor], shared_values: Optional[torch.Tensor],
+                  order: torch.Tensor, offsets: torch.Tensor, d_out: torch.Tensor, d_lse: Optional[torch.Tensor]):
+    """The kernel's backward for the forward whose block ``args`` is (its out and lse still alive):
+    dq, d keys, d values and the shared tables' gradients (None without them), new tensors."""
+    d_out = d_out.to(q.dtype).contiguous()
+    d_lse = None if d_lse is None else d_lse.to(q.dtype).contiguous()  # [P]
+    dq = torch.empty_like(q)
+    d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)
+    d_shared_keys = None if shared_keys is None else torch.zeros_like(shared_keys)
+    d_shared_values = None if shared_values is None else torch.zeros_like(shared_values)
+    # pairs with no expert are outside every expert's run: their dq is set here
+    dq[order[offsets[-1]:]] = 0.0
+    # the saved tensors are the forward's own (no copies): the forward's pointers still hold
+    args.dout, args.dlse, args.dq = _ptr(d_out), _ptr(d_lse), _ptr(dq)
+    args.dkeys, args.dvalues = _ptr(d_keys), _ptr(d_values)
+    args.dskeys, args.dsvalues = _ptr(d_shared_keys), _ptr(d_shared_values)
+    _call("grouped_backward", args)
+    return dq, d_keys, d_values, d_shared_keys, d_shared_values
+
+
 class GroupedAttentionCPU(torch.autograd.Function):
     """softmax(scale q K_e^T) V_e for each pair with its log-sum-exp, on grouped_cpu.c."""
 
     @staticmethod
     def forward(ctx, q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets,
                 group: int, scale: float, unit: int, with_lse: bool):
-        x, s = rows.shape if rows is not None else keys.shape[:2]
-        m = 0 if shared_keys is None else shared_keys.shape[1]
-        out = torch.zeros_like(q)  # [P, D]; a pair with no expert keeps 0 ...
-        lse = torch.full(q.shape[:1], float("-inf"), dtype=q.dtype)  # [P] ... and -inf
-        # the softmax rows [P, M + S] are kept for the backward when they fit (else recomputed)
-        probs = q.new_empty(q.shape[0], m + s) if q.shape[0] * (m + s) <= SAVE_ELEMENTS else None
-        args = Grouped(
-            experts=x, S=s, D=q.shape[1], M=m, group=group, unit=unit, threads=torch.get_num_threads(), scale=scale,
-            q=_ptr(q), order=_ptr(order), offsets=_ptr(offsets), keys=_ptr(keys), values=_ptr(values), rows=_ptr(rows),
-            key_ok=_ptr(key_ok), skeys=_ptr(shared_keys), svalues=_ptr(shared_values), sok=_ptr(shared_ok),
-            out=_ptr(out), lse=_ptr(lse), probs=_ptr(probs),
-        )
-        _call("grouped_forward", args)
+        out, lse, ctx.args = forward_call(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok,
+                                          order, offsets, group, scale, unit)
         ctx.save_for_backward(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, out, lse,
-                              order, offsets, probs)
-        ctx.args, ctx.with_lse = args, with_lse
+                              order, offsets)
+        ctx.with_lse = with_lse
         return out, lse if with_lse else q.new_empty(0)
 
     @staticmethod
     def backward(ctx, d_out: torch.Tensor, d_lse: torch.Tensor):
-        q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, out, lse, order, offsets, _ = (
-            ctx.saved_tensors)
-        d_out = d_out.to(q.dtype).contiguous()
-        # d_logits = p * (d_out . v + offset), offset = d_lse - d_out . out  [P]
-        offset = (d_out * out).sum(-1).neg_()
-        if ctx.with_lse and d_lse is not None:
-            offset += d_lse
-        dq = torch.empty_like(q)
-        d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)
-        d_shared_keys = None if shared_keys is None else torch.zeros_like(shared_keys)
-        d_shared_values = None if shared_values is None else torch.zeros_like(shared_values)
-        # pairs with no expert are outside every expert's run: their dq is set here
-        dq[order[offsets[-1]:]] = 0.0
-        args = ctx.args
-        # the saved tensors are the forward's own (no copies): the forward's pointers still hold
-        args.dout, args.offset, args.dq = _ptr(d_out), _ptr(offset), _ptr(dq)
-        args.dkeys, args.dvalues = _ptr(d_keys), _ptr(d_values)
-        args.dskeys, args.dsvalues = _ptr(d_shared_keys), _ptr(d_shared_values)
-        _call("grouped_backward", args)
-        return dq, d_keys, d_values, d_shared_keys, d_shared_values, *[None] * 9
+        q, keys, values, shared_keys, shared_values, _, _, _, _, _, order, offsets = ctx.saved_tensors
+        grads = backward_call(ctx.args, q, keys, values, shared_keys, shared_values, order, offsets, d_out,
+                              d_lse if ctx.with_lse else None)
+        return *grads, *[None] * 9
 
 
 def fits(q: torch.Tensor) -> bool:

@@ -28,6 +28,7 @@
 
 typedef struct {
     int64_t G, m, N, D, heads, threads; /* heads: heads per mask row (the mask is [G / heads, N]) */
+    int64_t accumulate;                 /* backward: 0 writes dmarks, dkeys, dvalues; 1 adds to them */
     const float *marks;                 /* [G, m, D] pre-scaled landmarks */
     const float *keys, *values;         /* [G, N, D] */
     const uint8_t *key_ok;              /* [G / heads, N] or NULL: every key real */
@@ -35,7 +36,7 @@ typedef struct {
     float *lse;                         /* [G, m] forward; read by the backward */
     float *shared;                      /* [G, m, D] forward; read by the backward */
     const float *dshared;               /* [G, m, D] backward */
-    float *dmarks, *dkeys, *dvalues;    /* [G, m, D], [G, N, D] x 2 backward, written whole */
+    float *dmarks, *dkeys, *dvalues;    /* [G, m, D], [G, N, D] x 2 backward, whole (see accumulate) */
 } Landmarks;
 
 /* The [nb][D] rows at src transposed into t [D][nb]. */
@@ -118,7 +119,7 @@ static void backward_head(const Landmarks *a, int64_t g, float *buf) {
         for (int64_t d = 0; d < D; d++) t += dout[i * D + d] * out[i * D + d];
         delta[i] = t;
     }
-    memset(dL, 0, m * D * sizeof(float));
+    if (!a->accumulate) memset(dL, 0, m * D * sizeof(float));
     for (int64_t j0 = 0; j0 < N; j0 += BLOCK) {
         const int64_t nb = N - j0 < BLOCK ? N - j0 : BLOCK;
         transpose_block(V + j0 * D, nb, D, vt);
@@ -135,9 +136,11 @@ static void backward_head(const Landmarks *a, int64_t g, float *buf) {
             }
             mix2(ds0, ds1, K + j0 * D, nb, D, dL + i * D, dL + i1 * D, 1);
         }
-        /* the block's key and value gradients: rank-m updates, written once */
-        memset(dK + j0 * D, 0, nb * D * sizeof(float));
-        memset(dV + j0 * D, 0, nb * D * sizeof(float));
+        /* the block's key and value gradients: rank-m updates, written once (or added) */
+        if (!a->accumulate) {
+            memset(dK + j0 * D, 0, nb * D * sizeof(float));
+            memset(dV + j0 * D, 0, nb * D * sizeof(float));
+        }
         add_outer(ds, L, m, nb, D, dK + j0 * D);
         add_outer(p, dout, m, nb, D, dV + j0 * D);
     }
@@ -217,9 +220,10 @@ int route_best(const Landmarks *a, const float *q, const uint8_t *mark_ok, int64
 /* Step 1, the landmarks: bin means of each head's queries. x [G, N, D]; bins [G / heads, m] of
  * [start, end) (end > start for a real bin; end == start: a missing bin, mean 0); out [G, m, D].
  * The backward (backward != 0) spreads dout [G, m, D] back over the bins into dx [G, N, D],
- * written whole: a token in two overlapping bins gets both shares. */
+ * written whole (accumulate == 0) or added to it (1): a token in two overlapping bins gets both
+ * shares. */
 typedef struct {
-    int64_t G, m, N, D, heads, threads, backward;
+    int64_t G, m, N, D, heads, threads, backward, accumulate;
     const int64_t *starts, *ends;
     const float *x, *dout;
     float *out, *dx;
@@ -230,7 +234,7 @@ static void pool_head(const Pool *a, int64_t g) {
     const int64_t *starts = a->starts + (g / a->heads) * m, *ends = a->ends + (g / a->heads) * m;
     if (a->backward) {
         float *dx = a->dx + g * N * D;
-        memset(dx, 0, N * D * sizeof(float));
+        if (!a->accumulate) memset(dx, 0, N * D * sizeof(float));
         for (int64_t j = 0; j < m; j++) {
             if (ends[j] <= starts[j]) continue;
             const float *g_row = a->dout + (g * m + j) * D;

@@ -31,7 +31,7 @@ _i64, _ptr_t = ctypes.c_int64, ctypes.c_void_p
 class Landmarks(ctypes.Structure):
     """The kernel's argument block (``Landmarks`` in landmark_cpu.c, field for field)."""
 
-    _fields_ = [(name, _i64) for name in ("G", "m", "N", "D", "heads", "threads")] + [
+    _fields_ = [(name, _i64) for name in ("G", "m", "N", "D", "heads", "threads", "accumulate")] + [
         (name, _ptr_t) for name in (
             "marks", "keys", "values", "key_ok", "scores", "lse", "shared", "dshared", "dmarks", "dkeys", "dvalues")]
 
@@ -65,8 +65,31 @@ def _check(status: int) -> None:
 class Pool(ctypes.Structure):
     """The pooling kernel's argument block (``Pool`` in landmark_cpu.c, field for field)."""
 
-    _fields_ = [(name, _i64) for name in ("G", "m", "N", "D", "heads", "threads", "backward")] + [
+    _fields_ = [(name, _i64) for name in ("G", "m", "N", "D", "heads", "threads", "backward", "accumulate")] + [
         (name, _ptr_t) for name in ("starts", "ends", "x", "dout", "out", "dx")]
+
+
+def pool_forward(x: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, heads: int) -> Tuple[torch.Tensor, Pool]:
+    """Bin means of x [G, N, D] (contiguous float32) over bins [start, end) per sequence ([G / heads, m]
+    each) -> [G, m, D], and the argument block that ``pool_backward`` takes."""
+    g, n, d = x.shape
+    out = x.new_empty(g, starts.shape[1], d)
+    args = Pool(G=g, m=starts.shape[1], N=n, D=d, heads=heads, threads=torch.get_num_threads(), backward=0,
+                starts=_ptr(starts), ends=_ptr(ends), x=_ptr(x), out=_ptr(out))
+    _check(library().pool_bins(ctypes.byref(args)))
+    return out, args
+
+
+def pool_backward(args: Pool, d_out: torch.Tensor, dx: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The gradient of ``pool_forward`` for d_out [G, m, D]: a new [G, N, D] tensor, or added to ``dx``
+    (contiguous float32) when given. The forward's starts and ends must still be alive."""
+    d_out = d_out.to(torch.float32).contiguous()
+    accumulate = dx is not None
+    if dx is None:
+        dx = d_out.new_empty(args.G, args.N, args.D)
+    args.backward, args.accumulate, args.dout, args.dx = 1, int(accumulate), _ptr(d_out), _ptr(dx)
+    _check(library().pool_bins(ctypes.byref(args)))
+    return dx
 
 
 class PoolBinsCPU(torch.autograd.Function):
@@ -74,24 +97,22 @@ class PoolBinsCPU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, starts, ends, heads: int):
-        g, n, d = x.shape
-        out = x.new_empty(g, starts.shape[1], d)
-        args = Pool(G=g, m=starts.shape[1], N=n, D=d, heads=heads, threads=torch.get_num_threads(), backward=0,
-                    starts=_ptr(starts), ends=_ptr(ends), x=_ptr(x), out=_ptr(out))
-        _check(library().pool_bins(ctypes.byref(args)))
+        out, ctx.args = pool_forward(x, starts, ends, heads)
         ctx.save_for_backward(starts, ends)
-        ctx.args = args
         return out
 
     @staticmethod
     def backward(ctx, d_out: torch.Tensor):
-        starts, ends = ctx.saved_tensors
-        args = ctx.args
-        d_out = d_out.to(torch.float32).contiguous()
-        dx = d_out.new_empty(args.G, args.N, args.D)
-        args.backward, args.dout, args.dx = 1, _ptr(d_out), _ptr(dx)
-        _check(library().pool_bins(ctypes.byref(args)))
-        return dx, None, None, None
+        _ = ctx.saved_tensors  # (starts, ends: the pointers in ctx.args)
+        return pool_backward(ctx.args, d_out), None, None, None
+
+
+def kernel_bins(mask: Optional[torch.Tensor], b: int, n: int, bins: int, device: torch.device
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """masking.real_bins as the pooling kernel takes them: starts, ends [B, bins] (a missing bin empty,
+    end == start) and which bins are real [B, bins]."""
+    starts, ends, real = real_bins(real_lengths(mask, b, n, device), bins)  # [B, bins] each
+    return starts.masked_fill(~real, 0).contiguous(), ends.masked_fill(~real, 0).contiguous(), real
 
 
 def pool_queries(q: torch.Tensor, mask: Optional[torch.Tensor], bins: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -99,11 +120,43 @@ def pool_queries(q: torch.Tensor, mask: Optional[torch.Tensor], bins: int) -> Tu
     sequence's real tokens (torch's bin rule; a sequence shorter than ``bins`` gets one bin per token
     and zeros beyond) -> landmarks [B, H, bins, D] and real bins [B, bins]."""
     b, h, n, d = q.shape
-    starts, ends, real = real_bins(real_lengths(mask, b, n, q.device), bins)  # [B, bins] each
-    # a missing bin is empty for the kernel (end == start)
-    starts, ends = starts.masked_fill(~real, 0).contiguous(), ends.masked_fill(~real, 0).contiguous()
+    starts, ends, real = kernel_bins(mask, b, n, bins, q.device)
     pooled = PoolBinsCPU.apply(q.reshape(b * h, n, d).contiguous(), starts, ends, h)
     return pooled.view(b, h, bins, d), real
+
+
+def landmark_forward(
+    marks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_ok: Optional[torch.Tensor], heads: int
+) -> Tuple[torch.Tensor, torch.Tensor, Landmarks]:
+    """Shared values [G, m, D], scores [G, m, N] and the argument block of ``landmark_backward``, for
+    pre-scaled marks [G, m, D], keys and values [G, N, D] (contiguous float32), key_ok [G / heads, N]
+    uint8 or None. The block points into the inputs and results: keep them alive for the backward."""
+    g, m, d = marks.shape
+    n = keys.shape[1]
+    scores, lse, shared = marks.new_empty(g, m, n), marks.new_empty(g, m), marks.new_empty(g, m, d)
+    args = Landmarks(G=g, m=m, N=n, D=d, heads=heads, threads=torch.get_num_threads(), marks=_ptr(marks),
+                     keys=_ptr(keys), values=_ptr(values), key_ok=_ptr(key_ok), scores=_ptr(scores),
+                     lse=_ptr(lse), shared=_ptr(shared))
+    _check(library().landmark_forward(ctypes.byref(args)))
+    args._lse = lse  # (only the kernel reads it)
+    return shared, scores, args
+
+
+def landmark_backward(
+    args: Landmarks, d_shared: torch.Tensor, grads: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """d marks [G, m, D], d keys, d values [G, N, D] of ``landmark_forward`` for d_shared [G, m, D]:
+    new tensors, or added to ``grads`` (three contiguous float32 tensors of those shapes) when given."""
+    d_shared = d_shared.to(torch.float32).contiguous()
+    if grads is None:
+        grads = (d_shared.new_empty(args.G, args.m, args.D), d_shared.new_empty(args.G, args.N, args.D),
+                 d_shared.new_empty(args.G, args.N, args.D))
+        args.accumulate = 0
+    else:
+        args.accumulate = 1
+    args.dshared, args.dmarks, args.dkeys, args.dvalues = _ptr(d_shared), *[_ptr(t) for t in grads]
+    _check(library().landmark_backward(ctypes.byref(args)))
+    return grads
 
 
 class LandmarkPassCPU(torch.autograd.Function):
@@ -111,28 +164,19 @@ class LandmarkPassCPU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, marks, keys, values, key_ok, heads: int):
-        g, m, d = marks.shape  # marks [G, m, D] pre-scaled; keys, values [G, N, D]; key_ok [G / heads, N]
-        n = keys.shape[1]
-        scores, lse, shared = marks.new_empty(g, m, n), marks.new_empty(g, m), marks.new_empty(g, m, d)
-        args = Landmarks(G=g, m=m, N=n, D=d, heads=heads, threads=torch.get_num_threads(), marks=_ptr(marks),
-                         keys=_ptr(keys), values=_ptr(values), key_ok=_ptr(key_ok), scores=_ptr(scores),
-                         lse=_ptr(lse), shared=_ptr(shared))
-        _check(library().landmark_forward(ctypes.byref(args)))
-        ctx.save_for_backward(marks, keys, values, key_ok, scores, lse, shared)
-        ctx.args = args
+        shared, scores, ctx.args = landmark_forward(marks, keys, values, key_ok, heads)
+        ctx.save_for_backward(marks, keys, values, key_ok, scores, shared)
         ctx.mark_non_differentiable(scores)
+        # the scores' gradient is never used: no [G, m, N] zeros made for it
+        ctx.set_materialize_grads(False)
         return shared, scores
 
     @staticmethod
-    def backward(ctx, d_shared: torch.Tensor, _d_scores: torch.Tensor):
+    def backward(ctx, d_shared: Optional[torch.Tensor], _d_scores: None):
         marks, keys, values, *_ = ctx.saved_tensors  # (the forward's own tensors: its pointers still hold)
-        d_shared = d_shared.to(marks.dtype).contiguous()
-        d_marks, d_keys, d_values = torch.empty_like(marks), torch.empty_like(keys), torch.empty_like(values)
-        args = ctx.args
-        args.dshared, args.dmarks, args.dkeys, args.dvalues = (
-            _ptr(d_shared), _ptr(d_marks), _ptr(d_keys), _ptr(d_values))
-        _check(library().landmark_backward(ctypes.byref(args)))
-        return d_marks, d_keys, d_values, None, None
+        if d_shared is None:
+            return None, None, None, None, None
+        return (*landmark_backward(ctx.args, d_shared), None, None)
 
 
 def landmark_pass(

@@ -11,7 +11,8 @@ experts_per_query = E > 1 follows the authors' variant: each query goes to its E
 (top-E of q . L_j) and each expert keeps k // E keys, all in one softmax with the m landmark logits;
 a key in two of a query's experts counts twice. shared_expert = False drops the landmark logits.
 The fast path groups queries by expert (attentions/grouped.py; on the CPU the C kernel of
-grouped_cpu.py, which reads the expert keys by index); ``reference`` is the plain form.
+grouped_cpu.py, which reads the expert keys by index, and for the default form the whole layer as
+one autograd Function on the C kernels, mita_cpu.py); ``reference`` is the plain form.
 """
 from __future__ import annotations
 
@@ -28,11 +29,15 @@ from .grouped_cpu import grouped_attention_cpu
 from .grouped_triton import check_kernel, kernel_name, pick_grouped
 from .landmark_cpu import fits as landmark_kernel_fits, landmark_pass, pool_queries, route_best
 from .masking import pool_real, real_key_mask
+from .mita_cpu import MiTACPU
 from .registry import register
 from .select import topk_unsorted
 
 # routing scores [B, H, chunk, m] computed at once, in elements (bounds memory, not results)
 ROUTE_ELEMENTS = 1 << 22
+# the default form on the CPU kernels as one autograd Function (mita_cpu.py); off: the composed
+# path of the same kernels (the tests compare the two)
+FUSED_CPU = True
 
 
 @dataclass
@@ -251,6 +256,8 @@ class MiTAAttention(Attention):
         grouped_attention = pick_grouped(cfg.kernel, q.device)
         # the C kernels on the CPU: the landmark pass and routing as well as the grouped attention
         native = grouped_attention is grouped_attention_cpu
+        if native and FUSED_CPU and per_query == 1 and cfg.shared_expert and landmark_kernel_fits(q):
+            return MiTACPU.apply(q, k, v, mask, m, keys, top_keys)
         marks, real_marks, index, key_ok, shared_values = build_experts(q, k, v, mask, m, keys, native)
         real_marks = real_marks.repeat_interleave(h, dim=0)  # [B*H, m]
         expert = route(q, marks, real_marks, per_query, native)  # [B*H, N, E]

@@ -8,7 +8,7 @@ own block plus one chosen block: 2 x 64 = 128 keys. Cost: O(N^2 D / block_size) 
 O(N topk block_size D) for the attention; memory linear in N (queries are gated in chunks, and
 no N x N matrix is built).
 The fast path groups (query, block) pairs by block (attentions/grouped.py, or the C kernel of
-grouped_cpu.py on the CPU).
+grouped_cpu.py on the CPU; there the gate runs on block_gate.py's kernel too).
 """
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs, in_batch_chunks
+from .block_gate import choose_blocks_cpu, fits as gate_kernel_fits
 from .grouped import merge
+from .grouped_cpu import grouped_attention_cpu
 from .grouped_triton import check_kernel, kernel_name, pick_grouped
 from .masking import real_key_mask
 from .registry import register
@@ -44,26 +46,30 @@ class MoBAConfig:
 
 
 def choose_blocks(
-    q: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor], block_size: int, topk: int, include_own: bool
+    q: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor], block_size: int, topk: int, include_own: bool,
+    native: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Each query's chosen blocks [B, H, N, topk'] and whether each slot holds a real block.
 
     topk' = min(topk, blocks); a slot is empty when the sequence has fewer non-empty blocks.
+    native: the gate and choice on the C kernel (block_gate.py) where it takes the inputs.
     """
     b, h, n, d = q.shape
     blocks = math.ceil(n / block_size)
     pad = blocks * block_size - n
     per_query = min(topk, blocks)
     real = F.pad(real_key_mask(mask, q), (0, pad)).to(k.dtype).view(b, 1, blocks, block_size)
-    # the results are made whole before the loop and each chunk's gate is freed before the next: a
-    # loop that kept small per-chunk results between gate-sized temporaries fragmented the heap,
-    # and the resident memory grew by about one gate per chunk, O(N^2 / block_size) in all
-    chosen = torch.empty(b, h, n, per_query, dtype=torch.long, device=q.device)
-    chosen_ok = torch.empty(b, h, n, per_query, dtype=torch.bool, device=q.device)
     with torch.no_grad():
         sums = (F.pad(k, (0, 0, 0, pad)).view(b, h, blocks, block_size, d) * real[..., None]).sum(-2)
         counts = real.sum(-1)  # [B, 1, blocks]
         means = sums / counts.clamp(min=1)[..., None]  # [B, H, blocks, D]: mean over real keys
+        if native and gate_kernel_fits(q, per_query):
+            return choose_blocks_cpu(q, means, counts[:, 0] == 0, block_size, per_query, include_own)
+        # the results are made whole before the loop and each chunk's gate is freed before the next: a
+        # loop that kept small per-chunk results between gate-sized temporaries fragmented the heap,
+        # and the resident memory grew by about one gate per chunk, O(N^2 / block_size) in all
+        chosen = torch.empty(b, h, n, per_query, dtype=torch.long, device=q.device)
+        chosen_ok = torch.empty(b, h, n, per_query, dtype=torch.bool, device=q.device)
         empty = (counts == 0)[:, :, None, :]  # [B, 1, 1, blocks]
         any_empty = bool(empty.any())
         # a chunk of queries at a time: the [B, H, chunk, blocks] gate stays small
@@ -153,7 +159,9 @@ class MoBAAttention(Attention):
         size = cfg.block_size
         blocks = math.ceil(n / size)
         pad = blocks * size - n
-        chosen, chosen_ok = choose_blocks(q, k, mask, size, cfg.topk, cfg.include_own_block)
+        grouped_attention = pick_grouped(cfg.kernel, q.device)
+        native = grouped_attention is grouped_attention_cpu
+        chosen, chosen_ok = choose_blocks(q, k, mask, size, cfg.topk, cfg.include_own_block, native)
         per_query = chosen.shape[-1]
         # blocks numbered over (batch, head, block); an empty slot goes to no block (number B*H*blocks)
         heads = torch.arange(b * h, device=q.device)[:, None, None]
@@ -165,7 +173,6 @@ class MoBAAttention(Attention):
         if mask is not None or pad:
             real = F.pad(real_key_mask(mask, q), (0, pad)).view(b, 1, blocks, size).expand(b, h, blocks, size)
             block_ok = real.reshape(b * h * blocks, size)
-        grouped_attention = pick_grouped(cfg.kernel, q.device)
         out, lse = grouped_attention(
             q.reshape(b * h * n, d).repeat_interleave(per_query, dim=0),
             expert.flatten(),

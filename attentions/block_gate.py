@@ -1,0 +1,68 @@
+"""MoBA's gate on a compiled C kernel for the CPU (block_gate.c), float32: each query's best key blocks.
+
+The PyTorch path of moba.choose_blocks makes the [B, H, chunk, blocks] gate tensor, writes +inf at
+each query's own block, masks the empty blocks and runs topk over it; at N = 4K (batch 8) that was
+about a tenth of MoBA's training step, for a choice of one block besides the own one at the
+defaults. The kernel scores a pair of queries against the head's block means at a time and keeps a
+short sorted list instead. Same choice as the PyTorch path (tests/test_block_gate.py); of equal
+gates the lower block number wins (torch.topk leaves ties unspecified).
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional, Tuple
+
+import torch
+
+from . import native
+
+LIBRARY = "block_gate"
+# the sorted list is per_query long: beyond this many blocks per query the PyTorch topk is kept
+MAX_PER_QUERY = 16
+_i64, _ptr_t = ctypes.c_int64, ctypes.c_void_p
+
+
+class Gate(ctypes.Structure):
+    """The kernel's argument block (``Gate`` in block_gate.c, field for field)."""
+
+    _fields_ = [(name, _i64) for name in (
+        "G", "N", "D", "blocks", "block_size", "per_query", "own", "heads", "threads")] + [
+        (name, _ptr_t) for name in ("q", "means", "empty", "chosen", "ok")]
+
+
+def library() -> Optional[ctypes.CDLL]:
+    lib = native.load(LIBRARY)
+    if lib is not None and not hasattr(lib, "_typed"):
+        lib.block_gate.argtypes, lib.block_gate.restype = [ctypes.POINTER(Gate)], ctypes.c_int
+        lib._typed = True
+    return lib
+
+
+def fits(q: torch.Tensor, per_query: int) -> bool:
+    """Whether the kernel takes these inputs: float32 CPU tensors, a short list, the kernel built here."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and per_query <= MAX_PER_QUERY
+            and library() is not None)
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+@torch.no_grad()
+def choose_blocks_cpu(q: torch.Tensor, means: torch.Tensor, empty: Optional[torch.Tensor], block_size: int,
+                      per_query: int, include_own: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each query's ``per_query`` best blocks [B, H, N, per_query] (best first) and whether each holds
+    a real key. q [B, H, N, D], means [B, H, blocks, D] (mean over each block's real keys), empty
+    [B, blocks] bool (a block without a real key) or None."""
+    b, h, n, d = q.shape
+    blocks = means.shape[2]
+    chosen = torch.empty(b, h, n, per_query, dtype=torch.long)
+    ok = torch.empty(b, h, n, per_query, dtype=torch.bool)
+    q, means = q.contiguous(), means.contiguous()  # (named, so they live through the call)
+    empty = None if empty is None else empty.contiguous().view(torch.uint8)
+    args = Gate(G=b * h, N=n, D=d, blocks=blocks, block_size=block_size, per_query=per_query, own=int(include_own),
+                heads=h, threads=torch.get_num_threads(), q=_ptr(q), means=_ptr(means), empty=_ptr(empty),
+                chosen=_ptr(chosen), ok=_ptr(ok.view(torch.uint8)))
+    if library().block_gate(ctypes.byref(args)) != 0:
+        raise MemoryError("the MoBA gate CPU kernel could not allocate its per-thread buffers")
+    return chosen, ok

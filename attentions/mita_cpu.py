@@ -1,0 +1,77 @@
+"""MiTA's default form (one routed expert per query, with the shared expert) on the CPU kernels as one
+autograd Function: the same steps and kernels as mita.py's composed path (landmark_cpu.py,
+grouped_cpu.py), with the backward written into one set of gradients.
+
+Composed of separate Functions, the backward made each stage's q, k, v gradients as new tensors
+and autograd added them: at N = 64K (B = 1, H = 4, D = 32) three [G, N, D] additions, three new
+[G, N, D] tensors and a zero [G, m, N] gradient for the scores, about 15% of the step. Here the
+grouped kernel's gradients are the buffers: the landmark pass adds its key, value and landmark
+gradients into them and the pooling adds its query gradient into dq (the kernels' ``accumulate``).
+tests/test_mita_cpu.py checks it against the composed path and ``mita.reference``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from .grouped import expert_runs
+from .grouped_cpu import backward_call as grouped_backward, forward_call as grouped_forward
+from .landmark_cpu import kernel_bins, landmark_backward, landmark_forward, pool_backward, pool_forward, route_best
+
+
+class MiTACPU(torch.autograd.Function):
+    """MiTA (experts_per_query = 1, shared expert) of q, k, v [B, H, N, D] (contiguous float32 CPU);
+    ``select`` is mita.top_keys (scores [B, H, m, N], keys -> key index, real [B, H, m, keys]), the
+    one selection the composed path and ``selected_keys`` use."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask: Optional[torch.Tensor], landmarks: int, keys: int,
+                select: Callable[[torch.Tensor, int], Tuple[torch.Tensor, torch.Tensor]]):
+        b, h, n, d = q.shape
+        g, m = b * h, landmarks
+        scale = 1 / math.sqrt(d)
+        # 1. landmarks: bin means of the queries over each sequence's real tokens
+        starts, ends, real_marks = kernel_bins(mask, b, n, m, q.device)  # [B, m] each
+        marks, pool_args = pool_forward(q.view(g, n, d), starts, ends, h)  # [G, m, D]
+        scaled = marks / math.sqrt(d)  # the landmarks as keys: q . L gets 1 / D, L . k gets 1 / sqrt(D)
+        # 2-3. the landmarks' scores against every key and the shared values
+        key_ok = None if mask is None else mask.contiguous().view(torch.uint8)  # [B, N]
+        shared_values, scores, landmark_args = landmark_forward(scaled, k.view(g, n, d), v.view(g, n, d), key_ok, h)
+        index, key_ok = select(scores.view(b, h, m, n), keys)  # [B, H, m, keys] each
+        expert_ok = None if mask is None or bool(key_ok.all()) else key_ok.view(g * m, keys)
+        # 4. each query to its best real landmark: expert numbers over (head, landmark), G m for none
+        real_marks = real_marks.repeat_interleave(h, dim=0)  # [G, m]
+        all_real = bool(real_marks.all())
+        best = route_best(q.view(g, n, d), marks, None if all_real else real_marks)  # [G, N]
+        heads = torch.arange(g, device=q.device)[:, None]  # [G, 1]
+        expert = torch.where(best >= 0, best + heads * m, g * m).flatten()  # [G N]
+        # 5. the grouped attention: expert e of head x holds key rows index[e] of k and v [G N, D]
+        rows = (index.view(g, m * keys) + heads * n).view(g * m, keys)
+        order, offsets = expert_runs(expert, g * m)
+        shared_ok = None if all_real else real_marks.view(torch.uint8)
+        q_rows, k_rows, v_rows = q.view(g * n, d), k.view(g * n, d), v.view(g * n, d)
+        expert_ok = None if expert_ok is None else expert_ok.contiguous().view(torch.uint8)
+        out, _, grouped_args = grouped_forward(q_rows, k_rows, v_rows, scaled, shared_values, rows, expert_ok,
+                                               shared_ok, order, offsets, m, scale, m)
+        ctx.save_for_backward(q_rows, k_rows, v_rows, scaled, shared_values, scores, rows, expert_ok, shared_ok,
+                              out, order, offsets, starts, ends, key_ok)
+        ctx.args = (pool_args, landmark_args, grouped_args)
+        ctx.dims, ctx.scale = (b, h, n, d), scale
+        return out.view(b, h, n, d)
+
+    @staticmethod
+    def backward(ctx, d_out: torch.Tensor):
+        q_rows, k_rows, v_rows, scaled, shared_values, _, _, _, _, _, order, offsets, *_ = ctx.saved_tensors
+        pool_args, landmark_args, grouped_args = ctx.args
+        b, h, n, d = ctx.dims
+        g = b * h
+        # the grouped attention's gradients, new tensors: dq, dk, dv [G N, D], d scaled, d shared values [G, m, D]
+        dq, dk, dv, d_scaled, d_shared_values = grouped_backward(
+            grouped_args, q_rows, k_rows, v_rows, scaled, shared_values, order, offsets,
+            d_out.reshape(g * n, d), None)
+        # the landmark pass adds its d scaled marks, dk, dv to them; the pooling its dq
+        landmark_backward(landmark_args, d_shared_values, (d_scaled, dk.view(g, n, d), dv.view(g, n, d)))
+        pool_backward(pool_args, d_scaled.mul_(ctx.scale), dq.view(g, n, d))
+        return dq.view(b, h, n, d), dk.view(b, h, n, d), dv.view(b, h, n, d), None, None, None, None

@@ -1,0 +1,78 @@
+"""MoBA's gate on the C kernel (attentions/block_gate.py) against the PyTorch path of
+moba.choose_blocks: the same blocks for every query, with padding, all-padding blocks, fewer real
+blocks than slots, the own block on and off, ties, and the same bits for any thread count."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attentions import block_gate, build_attention, moba
+from conftest import lengths_mask, rel_err
+
+needs_kernel = pytest.mark.skipif(not block_gate.fits(torch.zeros(1), 1),
+                                  reason="the C kernels do not build here (no C compiler)")
+
+
+def chosen_sets(chosen: torch.Tensor, ok: torch.Tensor) -> list:
+    """Each query's set of real chosen blocks (the slots' order is free)."""
+    rows = chosen.flatten(0, 2).tolist(), ok.flatten(0, 2).tolist()
+    return [frozenset(c for c, real in zip(cs, oks) if real) for cs, oks in zip(*rows)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("b, h, n, d, size, topk, own, lengths", [
+    (2, 2, 1000, 32, 64, 2, True, [1000, 517]),  # the defaults at an LRA length, a padded row
+    (3, 1, 130, 12, 16, 3, False, [130, 40, 1]),  # no own block; all-padding blocks; one real token
+    (1, 2, 100, 8, 64, 5, True, None),             # more slots than blocks (2)
+    (2, 1, 200, 16, 16, 4, True, [200, 10]),      # a row with fewer real blocks than slots
+])
+def test_kernel_chooses_the_blocks_of_the_pytorch_path(b, h, n, d, size, topk, own, lengths) -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(b, h, n, d, generator=gen) for _ in range(2))
+    mask = None if lengths is None else lengths_mask(lengths, n)
+    got, got_ok = moba.choose_blocks(q, k, mask, size, topk, own, native=True)
+    want, want_ok = moba.choose_blocks(q, k, mask, size, topk, own, native=False)
+    assert got.shape == want.shape and got.dtype == want.dtype and got_ok.dtype == torch.bool
+    assert torch.equal(got_ok.sum(-1), want_ok.sum(-1))
+    assert chosen_sets(got, got_ok) == chosen_sets(want, want_ok)
+    if own:  # the own block is in every query's choice where it holds a real key
+        own_block = (torch.arange(n) // size)[None, None, :, None]
+        has_own = ((got == own_block) & got_ok).any(-1)
+        real = torch.ones(b, n, dtype=torch.bool) if mask is None else mask
+        own_real = real[:, (torch.arange(n) // size) * size]  # the block's first key is real iff any is
+        assert torch.equal(has_own, own_real[:, None, :].expand(b, h, n))
+
+
+@needs_kernel
+def test_ties_go_to_the_lower_block_and_threads_do_not_change_bits() -> None:
+    q = torch.randn(1, 2, 256, 8, generator=torch.Generator().manual_seed(1))
+    k = torch.ones(1, 2, 256, 8)  # every block mean equal: every gate of a query ties
+    chosen, ok = moba.choose_blocks(q, k, None, 32, 3, False, native=True)
+    assert ok.all() and torch.equal(chosen, torch.tensor([0, 1, 2]).expand_as(chosen))
+    k = torch.randn(2, 3, 700, 16, generator=torch.Generator().manual_seed(2))
+    q = torch.randn(2, 3, 700, 16, generator=torch.Generator().manual_seed(3))
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(moba.choose_blocks(q, k, None, 64, 3, True, native=True))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@needs_kernel
+def test_moba_on_the_gate_kernel_equals_reference() -> None:
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 2, 300, 16, generator=gen, requires_grad=True) for _ in range(3))
+    mask = lengths_mask([300, 77], 300)
+    attn = build_attention("moba", num_heads=2, head_dim=16, max_len=300, block_size=32, topk=3)
+    out = attn(q, k, v, mask)
+    ref = moba.reference(q, k, v, mask, block_size=32, topk=3)
+    real = mask[:, None, :, None]
+    assert rel_err(out * real, ref * real) < 1e-5
+    grads = torch.autograd.grad((out * real).sum(), [q, k, v])
+    ref_grads = torch.autograd.grad((ref * real).sum(), [q, k, v])
+    for got, want in zip(grads, ref_grads):
+        assert rel_err(got, want) < 1e-4

@@ -1,0 +1,75 @@
+"""MiTA's default form as one autograd Function on the CPU kernels (attentions/mita_cpu.py) against
+the composed path of the same kernels and against ``mita.reference``: outputs and q, k, v gradients,
+with padding, rows shorter than the landmark count, a row with one real token, D not a multiple of
+8, N not a multiple of the key block, and a gradient arriving as a strided view."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attentions.mita as mita
+from attentions import build_attention, landmark_cpu
+from attentions.mita_cpu import MiTACPU
+from conftest import lengths_mask, rel_err
+
+needs_kernel = pytest.mark.skipif(not landmark_cpu.fits(torch.zeros(1)),
+                                  reason="the C kernels do not build here (no C compiler)")
+
+
+def run(attn, q, k, v, mask, weight):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = attn(q, k, v, mask)
+    grads = torch.autograd.grad((out * weight).sum(), [q, k, v])
+    return [out.detach(), *grads]
+
+
+@needs_kernel
+@pytest.mark.parametrize("b, h, n, d, m, topk, lengths", [
+    (2, 2, 1000, 32, 64, 64, [1000, 517]),  # LRA's settings, a padded row, N not a multiple of 64
+    (3, 1, 200, 33, 16, 24, [200, 9, 1]),   # rows shorter than m, one with a single real token; odd D
+    (1, 2, 50, 8, 64, 64, None),            # fewer tokens than landmarks, no mask
+    (2, 3, 300, 16, 8, 8, None),            # several landmarks per key block, every key real
+])
+def test_fused_path_equals_composed_path_and_reference(monkeypatch, b, h, n, d, m, topk, lengths) -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, generator=gen) for _ in range(3))
+    weight = torch.randn(b, h, n, d, generator=gen)
+    mask = None if lengths is None else lengths_mask(lengths, n)
+    attn = build_attention("mita", num_heads=h, head_dim=d, max_len=max(n, m), landmarks=m, topk=topk)
+    calls = []
+    real_apply = MiTACPU.apply
+    monkeypatch.setattr(mita.MiTACPU, "apply", lambda *a: calls.append(1) or real_apply(*a))
+    fused = run(attn, q, k, v, mask, weight)
+    assert calls, "the default form on the CPU did not take the fused Function"
+    monkeypatch.setattr(mita, "FUSED_CPU", False)
+    composed = run(attn, q, k, v, mask, weight)
+    assert len(calls) == 1
+    ref = [t for t in run(lambda *a: mita.reference(*a, landmarks=m, topk=topk), q, k, v, mask, weight)]
+    real = torch.ones(b, n, dtype=torch.bool) if mask is None else mask
+    for name, got, same, want in zip(("out", "dq", "dk", "dv"), fused, composed, ref):
+        got, same, want = (t * real[:, None, :, None] for t in (got, same, want))  # padded rows are free
+        assert torch.isfinite(got).all(), name
+        assert rel_err(got, same) < 1e-5, (name, rel_err(got, same))
+        assert rel_err(got, want) < 1e-4, (name, rel_err(got, want))
+
+
+@needs_kernel
+def test_fused_path_takes_a_strided_gradient_and_keeps_other_forms_composed(monkeypatch) -> None:
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 130, 16, generator=gen) for _ in range(3))
+    attn = build_attention("mita", num_heads=2, head_dim=16, max_len=130, landmarks=8, topk=8)
+    q.requires_grad_()
+    out = attn(q, k, v)
+    # a gradient that is a transposed view (the model's heads merge this way)
+    grad = torch.randn(1, 130, 2, 16, generator=gen).transpose(1, 2)
+    (dq,) = torch.autograd.grad(out, [q], grad)
+    ref_q = q.detach().clone().requires_grad_()
+    (ref_dq,) = torch.autograd.grad(mita.reference(ref_q, k, v, landmarks=8, topk=8), [ref_q], grad)
+    assert rel_err(dq, ref_dq) < 1e-4
+    # two experts per query, or no shared expert: the composed path
+    calls = []
+    monkeypatch.setattr(mita.MiTACPU, "apply", lambda *a: calls.append(1))
+    for options in ({"experts_per_query": 2}, {"shared_expert": False}):
+        other = build_attention("mita", num_heads=2, head_dim=16, max_len=130, landmarks=8, topk=8, **options)
+        assert other(q, k, v).shape == q.shape
+    assert not calls

@@ -63,14 +63,16 @@ static void exps(const float *s, int64_t nb, float shift, float *p) {
     for (int64_t j = 0; j < nb; j++) p[j] = exp_nonpos(s[j] - shift);
 }
 
-/* Head g forward; buf: D BLOCK + 3 BLOCK floats. */
+/* Head g forward; buf: D BLOCK + 3 BLOCK + m floats. */
 static void forward_head(const Landmarks *a, int64_t g, float *buf) {
     const int64_t m = a->m, N = a->N, D = a->D;
     const float *L = a->marks + g * m * D, *K = a->keys + g * N * D, *V = a->values + g * N * D;
     const uint8_t *ok = a->key_ok ? a->key_ok + (g / a->heads) * N : NULL;
     float *S = a->scores + g * m * N, *lse = a->lse + g * m, *out = a->shared + g * m * D;
-    float *kt = buf, *bias = kt + D * BLOCK, *p = bias + BLOCK;
-    /* scores, a block of keys at a time, two landmarks at a time (an odd last one as both) */
+    float *kt = buf, *bias = kt + D * BLOCK, *p = bias + BLOCK, *total = p + 2 * BLOCK;
+    /* the scores, a block of keys at a time (transposed, in L1), two landmarks at a time (an odd
+     * last one as both); each landmark's max, the softmax's shift, kept in lse as they come */
+    for (int64_t i = 0; i < m; i++) lse[i] = -INFINITY;
     for (int64_t j0 = 0; j0 < N; j0 += BLOCK) {
         const int64_t nb = N - j0 < BLOCK ? N - j0 : BLOCK;
         transpose_block(K + j0 * D, nb, D, kt);
@@ -78,30 +80,33 @@ static void forward_head(const Landmarks *a, int64_t g, float *buf) {
         for (int64_t i = 0; i < m; i += 2) {
             const int64_t i1 = i + 1 < m ? i + 1 : i;
             dots2(L + i * D, L + i1 * D, kt, bias, nb, D, S + i * N + j0, S + i1 * N + j0);
+            const float top0 = max_of(S + i * N + j0, nb), top1 = max_of(S + i1 * N + j0, nb);
+            if (top0 > lse[i]) lse[i] = top0;
+            if (top1 > lse[i1]) lse[i1] = top1;
         }
     }
-    /* the softmax's shift per landmark; the values mixed by e^(S - shift), block by block */
-    for (int64_t i = 0; i < m; i++) lse[i] = max_of(S + i * N, N);
+    /* the values mixed by e^(S - shift), a block of values at a time, every landmark using it while
+     * it is in L1 (landmarks outside, blocks inside, streamed all N values once per landmark pair:
+     * at N = 64K that was memory-bound) */
     memset(out, 0, m * D * sizeof(float));
-    float total[2];
-    for (int64_t i = 0; i < m; i += 2) {
-        const int64_t i1 = i + 1 < m ? i + 1 : i;
-        float *p0 = p, *p1 = p + (i1 == i ? 0 : BLOCK);
-        total[0] = total[1] = 0.0f;
-        for (int64_t j0 = 0; j0 < N; j0 += BLOCK) {
-            const int64_t nb = N - j0 < BLOCK ? N - j0 : BLOCK;
+    memset(total, 0, m * sizeof(float));
+    for (int64_t j0 = 0; j0 < N; j0 += BLOCK) {
+        const int64_t nb = N - j0 < BLOCK ? N - j0 : BLOCK;
+        for (int64_t i = 0; i < m; i += 2) {
+            const int64_t i1 = i + 1 < m ? i + 1 : i;
+            float *p0 = p, *p1 = p + (i1 == i ? 0 : BLOCK);
             exps(S + i * N + j0, nb, lse[i], p0);
             exps(S + i1 * N + j0, nb, lse[i1], p1);
-            total[0] += sum_of(p0, nb), total[1] += sum_of(p1, nb);
+            total[i] += sum_of(p0, nb);
+            if (i1 != i) total[i1] += sum_of(p1, nb);
             mix2(p0, p1, V + j0 * D, nb, D, out + i * D, out + i1 * D, 1);
         }
-        for (int c = 0; c < (i1 == i ? 1 : 2); c++) {
-            const int64_t r = c ? i1 : i;
-            const float top = lse[r];
-            const float inv = top == -INFINITY ? 0.0f : 1.0f / total[c];
-            for (int64_t d = 0; d < D; d++) out[r * D + d] *= inv;
-            lse[r] = top == -INFINITY ? top : top + logf(total[c]);
-        }
+    }
+    for (int64_t r = 0; r < m; r++) {
+        const float top = lse[r];
+        const float inv = top == -INFINITY ? 0.0f : 1.0f / total[r];
+        for (int64_t d = 0; d < D; d++) out[r * D + d] *= inv;
+        lse[r] = top == -INFINITY ? top : top + logf(total[r]);
     }
 }
 
@@ -203,7 +208,7 @@ static int over_heads(const Job *job, int64_t floats) {
 
 int landmark_forward(const Landmarks *a) {
     const Job job = {a, 0, NULL, NULL, NULL};
-    return over_heads(&job, a->D * BLOCK + 3 * BLOCK);
+    return over_heads(&job, a->D * BLOCK + 3 * BLOCK + a->m);
 }
 
 int landmark_backward(const Landmarks *a) {

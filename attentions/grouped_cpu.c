@@ -288,3 +288,59 @@ static int run(const Grouped *a, int backward) {
 int grouped_forward(const Grouped *a) { return run(a, 0); }
 
 int grouped_backward(const Grouped *a) { return run(a, 1); }
+
+/* One softmax over each row's E partial results (a query's experts in separate pairs):
+ *     out [D] = sum_e w_e part_e,  w = softmax(lse) over e,
+ * a row whose parts all have lse -inf gets 0 (every weight 0). The backward, for d_out [D]:
+ *     d part_e = w_e d_out,  d lse_e = w_e (d_out . part_e - d_out . out).
+ * Rows are independent: any thread split gives the same bits. */
+typedef struct {
+    int64_t R, E, D, threads;
+    const float *parts;  /* [R, E, D] */
+    const float *lse;    /* [R, E] */
+    float *weights;      /* [R, E] forward; read by the backward */
+    float *out;          /* [R, D] forward; read by the backward */
+    const float *dout;   /* [R, D] backward */
+    float *dparts;       /* [R, E, D] backward */
+    float *dlse;         /* [R, E] backward */
+} Merge;
+
+static void merge_row(const Merge *a, int64_t r) {
+    const int64_t E = a->E, D = a->D;
+    const float *lse = a->lse + r * E, *parts = a->parts + r * E * D;
+    float *w = a->weights + r * E, *out = a->out + r * D;
+    float top = -INFINITY, total = 0.0f;
+    for (int64_t e = 0; e < E; e++) top = lse[e] > top ? lse[e] : top;
+    for (int64_t e = 0; e < E; e++) total += w[e] = top == -INFINITY ? 0.0f : expf(lse[e] - top);
+    for (int64_t e = 0; e < E; e++) w[e] = top == -INFINITY ? 0.0f : w[e] / total;
+    for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t d = 0; d < D; d++) out[d] += w[e] * parts[e * D + d];
+}
+
+static void merge_row_backward(const Merge *a, int64_t r) {
+    const int64_t E = a->E, D = a->D;
+    const float *parts = a->parts + r * E * D, *w = a->weights + r * E, *out = a->out + r * D;
+    const float *dout = a->dout + r * D;
+    float *dparts = a->dparts + r * E * D, *dlse = a->dlse + r * E;
+    float d_merged = 0.0f;
+    for (int64_t d = 0; d < D; d++) d_merged += dout[d] * out[d];
+    for (int64_t e = 0; e < E; e++) {
+        float dot = 0.0f;
+        for (int64_t d = 0; d < D; d++) {
+            dot += dout[d] * parts[e * D + d];
+            dparts[e * D + d] = w[e] * dout[d];
+        }
+        dlse[e] = w[e] * (dot - d_merged);
+    }
+}
+
+int merge_parts(const Merge *a, int backward) {
+    const int64_t threads = a->threads < 1 ? 1 : a->threads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < a->R; r++) {
+        if (backward) merge_row_backward(a, r);
+        else merge_row(a, r);
+    }
+    return 0;
+}

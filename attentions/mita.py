@@ -25,7 +25,7 @@ import torch
 
 from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs, in_batch_chunks
 from .grouped import gather_rows, merge
-from .grouped_cpu import grouped_attention_cpu
+from .grouped_cpu import grouped_attention_cpu, merge_cpu
 from .grouped_triton import check_kernel, kernel_name, pick_grouped
 from .landmark_cpu import fits as landmark_kernel_fits, landmark_pass, pool_queries, route_best
 from .masking import pool_real, real_key_mask
@@ -289,7 +289,7 @@ class MiTAAttention(Attention):
         # further experts hold routed keys only; one softmax across all of a query's experts
         q_rest, rest_expert = q_rows.repeat_interleave(per_query - 1, dim=0), expert[..., 1:].flatten()
         rest, rest_lse = grouped_attention(q_rest, rest_expert, expert_k, expert_v, expert_ok, scale, True)
-        out = merge(
+        out = (merge_cpu if native else merge)(
             torch.cat([out[:, None], rest.view(-1, per_query - 1, d)], dim=1),
             torch.cat([lse[:, None], rest_lse.view(-1, per_query - 1)], dim=1),
         )

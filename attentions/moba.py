@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs, in_batch_chunks
 from .block_gate import choose_blocks_cpu, fits as gate_kernel_fits
 from .grouped import merge
-from .grouped_cpu import grouped_attention_cpu
+from .grouped_cpu import grouped_attention_cpu, merge_cpu
 from .grouped_triton import check_kernel, kernel_name, pick_grouped
 from .masking import real_key_mask
 from .registry import register
@@ -183,5 +183,5 @@ class MoBAAttention(Attention):
             per_query > 1,
         )
         if per_query > 1:
-            out = merge(out.view(-1, per_query, d), lse.view(-1, per_query))
+            out = (merge_cpu if native else merge)(out.view(-1, per_query, d), lse.view(-1, per_query))
         return out.view(b, h, n, d)

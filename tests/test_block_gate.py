@@ -1,6 +1,7 @@
 """MoBA's gate on the C kernel (attentions/block_gate.py) against the PyTorch path of
 moba.choose_blocks: the same blocks for every query, with padding, all-padding blocks, fewer real
-blocks than slots, the own block on and off, ties, and the same bits for any thread count."""
+blocks than slots, the own block on and off, ties, and the same bits for any thread count; and the
+merge of a query's experts on the C kernel (grouped_cpu.merge_cpu) against grouped.merge."""
 from __future__ import annotations
 
 import pytest
@@ -76,3 +77,25 @@ def test_moba_on_the_gate_kernel_equals_reference() -> None:
     ref_grads = torch.autograd.grad((ref * real).sum(), [q, k, v])
     for got, want in zip(grads, ref_grads):
         assert rel_err(got, want) < 1e-4
+
+
+@needs_kernel
+def test_merge_kernel_equals_merge_and_gives_zero_gradients_to_rows_without_experts() -> None:
+    from attentions.grouped import merge
+    from attentions.grouped_cpu import merge_cpu
+
+    gen = torch.Generator().manual_seed(5)
+    parts = torch.randn(64, 3, 33, generator=gen, requires_grad=True)
+    lse = torch.randn(64, 3, generator=gen)
+    lse[5] = float("-inf")     # a query with no expert at all
+    lse[7, 1] = float("-inf")  # an empty slot
+    lse.requires_grad_()
+    weight = torch.randn(64, 33, generator=gen)
+    got, want = merge_cpu(parts, lse), merge(parts, lse)
+    assert rel_err(got, want) < 1e-6 and torch.equal(got[5], torch.zeros(33))
+    got_grads = torch.autograd.grad((got * weight).sum(), [parts, lse])
+    want_grads = torch.autograd.grad((want * weight).sum(), [parts, lse])
+    rows = torch.arange(64) != 5  # torch's logsumexp gives the row without experts nan gradients
+    for g, w in zip(got_grads, want_grads):
+        assert rel_err(g[rows], w[rows]) < 1e-5
+        assert torch.equal(g[5], torch.zeros_like(g[5]))

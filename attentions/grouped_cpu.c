@@ -24,7 +24,7 @@
 #include "blocks.h"
 
 typedef struct {
-    int64_t experts, S, D, M, group, unit, threads;
+    int64_t experts, S, D, M, group, unit, threads, pairs;
     float scale;
     const float *q;          /* [P, D] */
     const int64_t *order;    /* [P] pairs sorted by expert */
@@ -41,6 +41,7 @@ typedef struct {
     float *probs;            /* [P, M + S] softmax rows in sorted pair order, or NULL: recomputed */
     const float *dout;       /* [P, D] backward */
     const float *dlse;       /* [P] backward, the lse's gradient, or NULL: none */
+    float *offset;           /* [P] backward: d_lse - d_out . out, filled before the pairs run */
     float *dq;               /* [P, D] backward, zeros for pairs with no expert */
     float *dkeys, *dvalues;  /* [R, D] backward, zero-filled by the caller */
     float *dskeys, *dsvalues;/* [G, M, D] backward, zero-filled by the caller */
@@ -163,12 +164,10 @@ static void backward_two(const Grouped *a, const int64_t pair[2], int64_t n, con
             for (int64_t j = 0; j < n; j++) p[c][j] = lse == -INFINITY ? 0.0f : exp_nonpos(p[c][j] - lse);
         }
     }
-    /* d_logits = p (d_out . v + offset), offset = d_lse - d_out . out */
+    /* d_logits = p (d_out . v + offset) */
     dots2(dout[0], dout[1], vt, zeros, n, D, ds[0], ds[1]);
     for (int c = 0; c < count; c++) {
-        const float *o = a->out + pair[c] * D;
-        float offset = a->dlse ? a->dlse[pair[c]] : 0.0f;
-        for (int64_t d = 0; d < D; d++) offset -= dout[c][d] * o[d];
+        const float offset = a->offset[pair[c]];
         for (int64_t j = 0; j < n; j++) ds[c][j] = p[c][j] * (ds[c][j] + offset);
     }
     float *dq0 = a->dq + pair[0] * D, *dq1 = a->dq + pair[1] * D;
@@ -287,7 +286,22 @@ static int run(const Grouped *a, int backward) {
 
 int grouped_forward(const Grouped *a) { return run(a, 0); }
 
-int grouped_backward(const Grouped *a) { return run(a, 1); }
+/* offset = d_lse - d_out . out for every pair, in row order (streamed: the pairs' own loop reads
+ * them in expert order, where a row of out per pair was one more cache miss) */
+static void offsets_of_pairs(const Grouped *a) {
+    const int64_t D = a->D, threads = a->threads < 1 ? 1 : a->threads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < a->pairs; i++) {
+        float t = a->dlse ? a->dlse[i] : 0.0f;
+        for (int64_t d = 0; d < D; d++) t -= a->dout[i * D + d] * a->out[i * D + d];
+        a->offset[i] = t;
+    }
+}
+
+int grouped_backward(const Grouped *a) {
+    offsets_of_pairs(a);
+    return run(a, 1);
+}
 
 /* One softmax over each row's E partial results (a query's experts in separate pairs):
  *     out [D] = sum_e w_e part_e,  w = softmax(lse) over e,

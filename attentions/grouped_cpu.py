@@ -32,10 +32,10 @@ _f, _i64 = ctypes.c_float, ctypes.c_int64
 class Grouped(ctypes.Structure):
     """The kernel's argument block (``Grouped`` in grouped_cpu.c, field for field)."""
 
-    _fields_ = [(name, _i64) for name in ("experts", "S", "D", "M", "group", "unit", "threads")] + [
+    _fields_ = [(name, _i64) for name in ("experts", "S", "D", "M", "group", "unit", "threads", "pairs")] + [
         ("scale", _f)] + [(name, ctypes.c_void_p) for name in (
             "q", "order", "offsets", "keys", "values", "rows", "key_ok", "skeys", "svalues", "sok", "out", "lse",
-            "probs", "dout", "dlse", "dq", "dkeys", "dvalues", "dskeys", "dsvalues")]
+            "probs", "dout", "dlse", "offset", "dq", "dkeys", "dvalues", "dskeys", "dsvalues")]
 
 
 class Merge(ctypes.Structure):
@@ -82,7 +82,8 @@ def forward_call(q, keys, values, shared_keys, shared_values, rows, key_ok, shar
     # the softmax rows [P, M + S] are kept for the backward when they fit (else recomputed)
     probs = q.new_empty(q.shape[0], m + s) if q.shape[0] * (m + s) <= SAVE_ELEMENTS else None
     args = Grouped(
-        experts=x, S=s, D=q.shape[1], M=m, group=group, unit=unit, threads=torch.get_num_threads(), scale=scale,
+        experts=x, S=s, D=q.shape[1], M=m, group=group, unit=unit, threads=torch.get_num_threads(),
+        pairs=q.shape[0], scale=scale,
         q=_ptr(q), order=_ptr(order), offsets=_ptr(offsets), keys=_ptr(keys), values=_ptr(values), rows=_ptr(rows),
         key_ok=_ptr(key_ok), skeys=_ptr(shared_keys), svalues=_ptr(shared_values), sok=_ptr(shared_ok),
         out=_ptr(out), lse=_ptr(lse), probs=_ptr(probs),
@@ -106,7 +107,8 @@ def backward_call(args: Grouped, q: torch.Tensor, keys: torch.Tensor, values: to
     # pairs with no expert are outside every expert's run: their dq is set here
     dq[order[offsets[-1]:]] = 0.0
     # the saved tensors are the forward's own (no copies): the forward's pointers still hold
-    args.dout, args.dlse, args.dq = _ptr(d_out), _ptr(d_lse), _ptr(dq)
+    offset = q.new_empty(q.shape[0])  # [P], filled by the kernel
+    args.dout, args.dlse, args.offset, args.dq = _ptr(d_out), _ptr(d_lse), _ptr(offset), _ptr(dq)
     args.dkeys, args.dvalues = _ptr(d_keys), _ptr(d_values)
     args.dskeys, args.dsvalues = _ptr(d_shared_keys), _ptr(d_shared_values)
     _call("grouped_backward", args)

@@ -37,8 +37,9 @@ class MiTACPU(torch.autograd.Function):
         marks, pool_args = pool_forward(q.view(g, n, d), starts, ends, h)  # [G, m, D]
         scaled = marks / math.sqrt(d)  # the landmarks as keys: q . L gets 1 / D, L . k gets 1 / sqrt(D)
         # 2-3. the landmarks' scores against every key and the shared values
-        key_ok = None if mask is None else mask.contiguous().view(torch.uint8)  # [B, N]
-        shared_values, scores, landmark_args = landmark_forward(scaled, k.view(g, n, d), v.view(g, n, d), key_ok, h)
+        mask_bytes = None if mask is None else mask.contiguous().view(torch.uint8)  # [B, N]
+        shared_values, scores, landmark_args = landmark_forward(scaled, k.view(g, n, d), v.view(g, n, d),
+                                                                mask_bytes, h)
         index, key_ok = select(scores.view(b, h, m, n), keys)  # [B, H, m, keys] each
         expert_ok = None if mask is None or bool(key_ok.all()) else key_ok.view(g * m, keys)
         # 4. each query to its best real landmark: expert numbers over (head, landmark), G m for none
@@ -56,7 +57,7 @@ class MiTACPU(torch.autograd.Function):
         out, _, grouped_args = grouped_forward(q_rows, k_rows, v_rows, scaled, shared_values, rows, expert_ok,
                                                shared_ok, order, offsets, m, scale, m)
         ctx.save_for_backward(q_rows, k_rows, v_rows, scaled, shared_values, scores, rows, expert_ok, shared_ok,
-                              out, order, offsets, starts, ends, key_ok)
+                              out, order, offsets, starts, ends, mask_bytes)
         ctx.args = (pool_args, landmark_args, grouped_args)
         ctx.dims, ctx.scale = (b, h, n, d), scale
         return out.view(b, h, n, d)

@@ -307,9 +307,10 @@ int grouped_backward(const Grouped *a) {
  *     out [D] = sum_e w_e part_e,  w = softmax(lse) over e,
  * a row whose parts all have lse -inf gets 0 (every weight 0). The backward, for d_out [D]:
  *     d part_e = w_e d_out,  d lse_e = w_e (d_out . part_e - d_out . out).
- * Rows are independent: any thread split gives the same bits. */
+ * Rows are independent: any thread split gives the same bits. Layout: parts [R, E, D] and lse [R, E]
+ * (row-major), or with slot_major parts [E, R, D] and lse [E, R]; the gradients in the parts' layout. */
 typedef struct {
-    int64_t R, E, D, threads;
+    int64_t R, E, D, threads, slot_major;
     const float *parts;  /* [R, E, D] */
     const float *lse;    /* [R, E] */
     float *weights;      /* [R, E] forward; read by the backward */
@@ -319,33 +320,39 @@ typedef struct {
     float *dlse;         /* [R, E] backward */
 } Merge;
 
+/* Where part e of row r starts, in rows of D (lse: in floats). */
+static inline int64_t part_at(const Merge *a, int64_t r, int64_t e) {
+    return a->slot_major ? e * a->R + r : r * a->E + e;
+}
+
 static void merge_row(const Merge *a, int64_t r) {
     const int64_t E = a->E, D = a->D;
-    const float *lse = a->lse + r * E, *parts = a->parts + r * E * D;
     float *w = a->weights + r * E, *out = a->out + r * D;
     float top = -INFINITY, total = 0.0f;
-    for (int64_t e = 0; e < E; e++) top = lse[e] > top ? lse[e] : top;
-    for (int64_t e = 0; e < E; e++) total += w[e] = top == -INFINITY ? 0.0f : expf(lse[e] - top);
+    for (int64_t e = 0; e < E; e++) top = a->lse[part_at(a, r, e)] > top ? a->lse[part_at(a, r, e)] : top;
+    for (int64_t e = 0; e < E; e++) total += w[e] = top == -INFINITY ? 0.0f : expf(a->lse[part_at(a, r, e)] - top);
     for (int64_t e = 0; e < E; e++) w[e] = top == -INFINITY ? 0.0f : w[e] / total;
     for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
-    for (int64_t e = 0; e < E; e++)
-        for (int64_t d = 0; d < D; d++) out[d] += w[e] * parts[e * D + d];
+    for (int64_t e = 0; e < E; e++) {
+        const float *part = a->parts + part_at(a, r, e) * D;
+        for (int64_t d = 0; d < D; d++) out[d] += w[e] * part[d];
+    }
 }
 
 static void merge_row_backward(const Merge *a, int64_t r) {
     const int64_t E = a->E, D = a->D;
-    const float *parts = a->parts + r * E * D, *w = a->weights + r * E, *out = a->out + r * D;
-    const float *dout = a->dout + r * D;
-    float *dparts = a->dparts + r * E * D, *dlse = a->dlse + r * E;
+    const float *w = a->weights + r * E, *out = a->out + r * D, *dout = a->dout + r * D;
     float d_merged = 0.0f;
     for (int64_t d = 0; d < D; d++) d_merged += dout[d] * out[d];
     for (int64_t e = 0; e < E; e++) {
-        float dot = 0.0f;
+        const int64_t at = part_at(a, r, e);
+        const float *part = a->parts + at * D;
+        float *dpart = a->dparts + at * D, dot = 0.0f;
         for (int64_t d = 0; d < D; d++) {
-            dot += dout[d] * parts[e * D + d];
-            dparts[e * D + d] = w[e] * dout[d];
+            dot += dout[d] * part[d];
+            dpart[d] = w[e] * dout[d];
         }
-        dlse[e] = w[e] * (dot - d_merged);
+        a->dlse[at] = w[e] * (dot - d_merged);
     }
 }
 

@@ -41,7 +41,7 @@ class Grouped(ctypes.Structure):
 class Merge(ctypes.Structure):
     """The merge's argument block (``Merge`` in grouped_cpu.c, field for field)."""
 
-    _fields_ = [(name, _i64) for name in ("R", "E", "D", "threads")] + [
+    _fields_ = [(name, _i64) for name in ("R", "E", "D", "threads", "slot_major")] + [
         (name, ctypes.c_void_p) for name in ("parts", "lse", "weights", "out", "dout", "dparts", "dlse")]
 
 
@@ -182,14 +182,15 @@ def grouped_attention_cpu(
 
 
 class MergeCPU(torch.autograd.Function):
-    """grouped.merge on grouped_cpu.c: parts [R, E, D], lse [R, E] -> [R, D]."""
+    """grouped.merge on grouped_cpu.c: parts [R, E, D], lse [R, E] -> [R, D] (slot_major: parts
+    [E, R, D], lse [E, R])."""
 
     @staticmethod
-    def forward(ctx, parts: torch.Tensor, lse: torch.Tensor):
-        r, e, d = parts.shape
+    def forward(ctx, parts: torch.Tensor, lse: torch.Tensor, slot_major: bool):
+        e, r, d = parts.shape if slot_major else (parts.shape[1], parts.shape[0], parts.shape[2])
         weights, out = parts.new_empty(r, e), parts.new_empty(r, d)
-        args = Merge(R=r, E=e, D=d, threads=torch.get_num_threads(), parts=_ptr(parts), lse=_ptr(lse),
-                     weights=_ptr(weights), out=_ptr(out))
+        args = Merge(R=r, E=e, D=d, threads=torch.get_num_threads(), slot_major=int(slot_major), parts=_ptr(parts),
+                     lse=_ptr(lse), weights=_ptr(weights), out=_ptr(out))
         library().merge_parts(ctypes.byref(args), 0)
         ctx.save_for_backward(parts, lse, weights, out)
         ctx.args = args
@@ -197,19 +198,19 @@ class MergeCPU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out: torch.Tensor):
-        parts, *_ = ctx.saved_tensors  # (the forward's own tensors: its pointers still hold)
+        parts, lse, *_ = ctx.saved_tensors  # (the forward's own tensors: its pointers still hold)
         d_out = d_out.to(parts.dtype).contiguous()
-        d_parts, d_lse = torch.empty_like(parts), parts.new_empty(parts.shape[:2])
+        d_parts, d_lse = torch.empty_like(parts), torch.empty_like(lse)
         args = ctx.args
         args.dout, args.dparts, args.dlse = _ptr(d_out), _ptr(d_parts), _ptr(d_lse)
         library().merge_parts(ctypes.byref(args), 1)
-        return d_parts, d_lse
+        return d_parts, d_lse, None
 
 
-def merge_cpu(parts: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """grouped.merge (one softmax over each row's E partial results, [R, E, D] and [R, E] -> [R, D])
-    on the C kernel: one pass forward and one backward instead of about ten tensor operations each.
-    Inputs the kernel does not take go to grouped.merge."""
+def merge_cpu(parts: torch.Tensor, lse: torch.Tensor, slot_major: bool = False) -> torch.Tensor:
+    """grouped.merge (one softmax over each row's E partial results, [R, E, D] and [R, E] -> [R, D];
+    slot_major: [E, R, D] and [E, R]) on the C kernel: one pass forward and one backward instead of
+    about ten tensor operations each. Inputs the kernel does not take go to grouped.merge."""
     if not fits(parts):
-        return merge(parts, lse)
-    return MergeCPU.apply(parts.contiguous(), lse.to(parts.dtype).contiguous())
+        return merge(parts.transpose(0, 1), lse.transpose(0, 1)) if slot_major else merge(parts, lse)
+    return MergeCPU.apply(parts.contiguous(), lse.to(parts.dtype).contiguous(), slot_major)

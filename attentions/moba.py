@@ -21,7 +21,6 @@ import torch.nn.functional as F
 
 from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs, in_batch_chunks
 from .block_gate import choose_blocks_cpu, fits as gate_kernel_fits
-from .grouped import merge
 from .grouped_cpu import grouped_attention_cpu, merge_cpu
 from .grouped_triton import check_kernel, kernel_name, pick_grouped
 from .masking import real_key_mask
@@ -163,18 +162,22 @@ class MoBAAttention(Attention):
         native = grouped_attention is grouped_attention_cpu
         chosen, chosen_ok = choose_blocks(q, k, mask, size, cfg.topk, cfg.include_own_block, native)
         per_query = chosen.shape[-1]
-        # blocks numbered over (batch, head, block); an empty slot goes to no block (number B*H*blocks)
+        # blocks numbered over (batch, head, block); an empty slot goes to no block (number B*H*blocks).
+        # Pairs slot-major (pair = slot * B*H*N + query): the own block is slot 0 on the C kernel, so
+        # an own-block expert's pairs are consecutive rows of q and of the results
         heads = torch.arange(b * h, device=q.device)[:, None, None]
         expert = heads * blocks + chosen.view(b * h, n, per_query)  # [B*H, N, topk']
         expert = torch.where(chosen_ok.view(b * h, n, per_query), expert, b * h * blocks)
+        expert = expert.permute(2, 0, 1)  # [topk', B*H, N]
         block_k = F.pad(k, (0, 0, 0, pad)).reshape(b * h * blocks, size, d)
         block_v = F.pad(v, (0, 0, 0, pad)).reshape(b * h * blocks, size, d)
         block_ok = None
         if mask is not None or pad:
             real = F.pad(real_key_mask(mask, q), (0, pad)).view(b, 1, blocks, size).expand(b, h, blocks, size)
             block_ok = real.reshape(b * h * blocks, size)
+        q_rows = q.reshape(b * h * n, d)
         out, lse = grouped_attention(
-            q.reshape(b * h * n, d).repeat_interleave(per_query, dim=0),
+            q_rows.repeat(per_query, 1) if per_query > 1 else q_rows,  # [topk' B*H*N, D]
             expert.flatten(),
             block_k,
             block_v,
@@ -183,5 +186,5 @@ class MoBAAttention(Attention):
             per_query > 1,
         )
         if per_query > 1:
-            out = (merge_cpu if native else merge)(out.view(-1, per_query, d), lse.view(-1, per_query))
+            out = merge_cpu(out.view(per_query, -1, d), lse.view(per_query, -1), slot_major=True)
         return out.view(b, h, n, d)

@@ -99,3 +99,10 @@ def test_merge_kernel_equals_merge_and_gives_zero_gradients_to_rows_without_expe
     for g, w in zip(got_grads, want_grads):
         assert rel_err(g[rows], w[rows]) < 1e-5
         assert torch.equal(g[5], torch.zeros_like(g[5]))
+    # slot-major layout (parts [E, R, D], lse [E, R], as MoBA lays its pairs out): the same numbers
+    parts_t = parts.detach().transpose(0, 1).contiguous().requires_grad_()
+    lse_t = lse.detach().transpose(0, 1).contiguous().requires_grad_()
+    got_t = merge_cpu(parts_t, lse_t, slot_major=True)
+    assert torch.equal(got_t, got)
+    for g_t, g in zip(torch.autograd.grad((got_t * weight).sum(), [parts_t, lse_t]), got_grads):
+        assert torch.equal(g_t.transpose(0, 1), g)

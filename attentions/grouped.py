@@ -289,8 +289,11 @@ def gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return GatherRows.apply(table, rows)
 
 
-def merge(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """One softmax over a query's E partial results. out: [R, E, D], lse: [R, E] -> [R, D]."""
+def merge(out: torch.Tensor, lse: torch.Tensor, slot_major: bool = False) -> torch.Tensor:
+    """One softmax over a query's E partial results. out: [R, E, D], lse: [R, E] -> [R, D]
+    (slot_major: out [E, R, D], lse [E, R])."""
+    if slot_major:
+        out, lse = out.transpose(0, 1), lse.transpose(0, 1)
     total = torch.logsumexp(lse, dim=-1, keepdim=True)  # [R, 1]
     # a row whose parts all have no expert (lse -inf) gets weight 0 everywhere, not nan
     weights = (lse - torch.where(torch.isfinite(total), total, 0.0)).exp()  # [R, E]

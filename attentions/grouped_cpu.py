@@ -212,5 +212,5 @@ def merge_cpu(parts: torch.Tensor, lse: torch.Tensor, slot_major: bool = False) 
     slot_major: [E, R, D] and [E, R]) on the C kernel: one pass forward and one backward instead of
     about ten tensor operations each. Inputs the kernel does not take go to grouped.merge."""
     if not fits(parts):
-        return merge(parts.transpose(0, 1), lse.transpose(0, 1)) if slot_major else merge(parts, lse)
+        return merge(parts, lse, slot_major)
     return MergeCPU.apply(parts.contiguous(), lse.to(parts.dtype).contiguous(), slot_major)

@@ -173,7 +173,7 @@ class LandmarkPassCPU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_shared: Optional[torch.Tensor], _d_scores: None):
-        marks, keys, values, *_ = ctx.saved_tensors  # (the forward's own tensors: its pointers still hold)
+        _ = ctx.saved_tensors  # (the forward's own tensors: the pointers in ctx.args still hold)
         if d_shared is None:
             return None, None, None, None, None
         return (*landmark_backward(ctx.args, d_shared), None, None)

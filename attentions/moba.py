@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs, in_batch_chunks
 from .block_gate import choose_blocks_cpu, fits as gate_kernel_fits
+from .grouped import merge
 from .grouped_cpu import grouped_attention_cpu, merge_cpu
 from .grouped_triton import check_kernel, kernel_name, pick_grouped
 from .masking import real_key_mask
@@ -186,5 +187,6 @@ class MoBAAttention(Attention):
             per_query > 1,
         )
         if per_query > 1:
-            out = merge_cpu(out.view(per_query, -1, d), lse.view(per_query, -1), slot_major=True)
+            # kernel "torch" keeps the PyTorch merge too
+            out = (merge_cpu if native else merge)(out.view(per_query, -1, d), lse.view(per_query, -1), slot_major=True)
         return out.view(b, h, n, d)

@@ -4,12 +4,23 @@ By default glibc gives blocks between 128 KiB and 32 MiB back to the kernel when
 (mmap'd blocks, or the heap's top trimmed), so every training step faults its activations back
 in, page by page. In the LRA encoder at N = 4K, batch 8 (2-core AMD EPYC) that was 30,000 page
 faults and 0.1 s of system time per MoBA step of 0.7 s (full attention, N = 2K: 9,700 per step);
-with blocks up to 32 MiB kept on an untrimmed heap, about 2,000. The process keeps the footprint
-it reaches every step anyway (its peak RSS is unchanged). Blocks over 32 MiB (glibc's ceiling for
-this setting), such as full attention's score matrices at long N, are still mapped per use.
+with blocks up to 32 MiB kept on an untrimmed heap (``keep_freed_memory``), about 2,000. The
+process keeps the footprint it reaches every step anyway (its peak RSS is unchanged).
 
-Applied by lra-run, lra-bench's points and scripts/step_compare.py; LRA_MALLOC_TUNING=0 turns it off
-(to measure its effect). Elsewhere than glibc (musl, macOS, Windows) it does nothing.
+Blocks of 32 MiB and more (glibc's ceiling for that setting) are still mapped per use: at batch 32
+and N = 4K every activation [32, 4096, 64] is one, and a step faulted 500,000-700,000 pages in
+(2-3 s of system time in a MiTA step of 3.8 s, in a pass-through model's step of 2.8 s); MiTA's
+attention at N = 64K 49,000 per step (0.18 s of 0.86 s). ``keep_all_freed_memory`` takes every
+block from the heap and never unmaps one: no faults after the first step, but the heap keeps
+the holes between blocks of different sizes, so the resident set grows above what the tensors
+need (+5% to +80% at batch 32, N = 4K, Top-k 2.5x). lra-bench therefore measures a point's peak
+memory in its warm-up, with big blocks mapped per use, and times it with every block kept
+(lra/bench/measure.py); ``return_freed_memory`` goes back between the two.
+
+Applied by lra-run, lra-bench's points and scripts/step_compare.py. LRA_MALLOC_TUNING=0 turns all
+of it off (to measure its effect); LRA_MALLOC_TUNING=all keeps every block for training too (lra-run
+at long rows and big batches: faster, with the larger resident set in the run's peak memory).
+Elsewhere than glibc (musl, macOS, Windows) it does nothing.
 """
 from __future__ import annotations
 
@@ -18,34 +29,73 @@ import os
 import sys
 
 # mallopt parameters (malloc.h)
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -2, -3, -4
 SETTINGS = ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 64 << 20))
+GLIBC_MMAP_MAX = 65536  # glibc's default number of mapped blocks
 
 _applied = None
+_keep_all = False
 
 
-def _mallopt():
-    """glibc's mallopt where this process may use it (Linux, LRA_MALLOC_TUNING not 0), else None."""
-    if not sys.platform.startswith("linux") or os.environ.get("LRA_MALLOC_TUNING", "1") == "0":
+def _setting() -> str:
+    return os.environ.get("LRA_MALLOC_TUNING", "1")
+
+
+def _libc():
+    """glibc where this process may tune it (Linux, LRA_MALLOC_TUNING not 0), else None."""
+    if not sys.platform.startswith("linux") or _setting() == "0":
         return None
     try:
-        mallopt = ctypes.CDLL(None).mallopt
+        libc = ctypes.CDLL(None)
+        libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return None
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt
+    return libc
 
 
 def keep_freed_memory() -> bool:
-    """Set glibc's thresholds (once per process); whether they are in effect."""
+    """Keep freed blocks up to 32 MiB (once per process; with LRA_MALLOC_TUNING=all every block);
+    whether the setting is in effect."""
     global _applied
     if _applied is None:
-        mallopt = _mallopt()
-        _applied = mallopt is not None and all(mallopt(param, value) == 1 for param, value in SETTINGS)
+        libc = _libc()
+        _applied = libc is not None and all(libc.mallopt(param, value) == 1 for param, value in SETTINGS)
+        if _applied and _setting() == "all":
+            keep_all_freed_memory()
     return _applied
 
 
-def describe() -> str:
+def keep_all_freed_memory() -> bool:
+    """Take every block from the heap from now on (none mapped, none given back); whether it took."""
+    global _keep_all
+    libc = _libc()
+    if keep_freed_memory() and libc is not None and libc.mallopt(M_MMAP_MAX, 0) == 1:
+        _keep_all = True
+    return _keep_all
+
+
+def return_freed_memory() -> bool:
+    """Undo ``keep_all_freed_memory``: big blocks mapped per use again and the heap's free pages
+    handed back (malloc_trim); whether there was anything to undo."""
+    global _keep_all
+    libc = _libc()
+    if not _keep_all or libc is None:
+        return False
+    libc.mallopt(M_MMAP_MAX, GLIBC_MMAP_MAX)
+    libc.malloc_trim(0)
+    _keep_all = False
+    return True
+
+
+def describe(benchmark: bool = False) -> str:
     """What the records say about the allocator of the process that measures (this one, or a child
-    with its environment)."""
-    return "system default" if _mallopt() is None else "glibc, freed blocks up to 32 MiB kept (lra/allocator.py)"
+    with its environment); ``benchmark``: a point of lra-bench, which switches between the two."""
+    if _libc() is None:
+        return "system default"
+    if benchmark:
+        return ("glibc: peak memory from the warm-up with freed blocks up to 32 MiB kept, "
+                "timed runs with every freed block kept (lra/allocator.py)")
+    if _setting() == "all":
+        return "glibc, every freed block kept (LRA_MALLOC_TUNING=all, lra/allocator.py)"
+    return "glibc, freed blocks up to 32 MiB kept (lra/allocator.py)"

@@ -129,7 +129,7 @@ def versions() -> Dict[str, Any]:
         "cuda": torch.version.cuda,
         "flash_attn": flash,
         "git_commit": git_commit(),
-        "allocator": allocator.describe(),
+        "allocator": allocator.describe(benchmark=True),
     }
 
 

@@ -5,15 +5,28 @@ mode first, then as many timed repeats as the point's time budget allows (at lea
 mode, or the point is over budget). Memory: ``max_memory_allocated`` on a GPU; on the CPU the peak
 resident set (VmHWM) of the child minus its resident set before the point was built (the baseline:
 the interpreter and torch), both recorded.
+
+On the CPU the two are measured under different allocator settings (lra/allocator.py): the warm-up
+runs with big blocks mapped per use, so the resident set follows what the tensors need, and its
+peak is the point's memory; the timed runs keep every freed block on the heap (no page faults,
+which at batch 32 and N = 4K took half of a step's time), after one more untimed run of each mode
+that grows the heap. A timed run that runs out of memory that way is timed again with the blocks
+mapped (``allocator`` in the result says which setting timed it).
 """
 from __future__ import annotations
 
+import os
 import resource
 import statistics
 import time
 from typing import Callable, Dict, List, Optional
 
 import torch
+
+from .. import allocator
+
+
+CLEAR_REFS = "/proc/self/clear_refs"  # writing 5 restarts VmHWM (Linux 4.0+)
 
 
 class OverBudget(Exception):
@@ -81,20 +94,22 @@ def summarize(times: List[float]) -> Dict[str, object]:
     }
 
 
-def measure(
-    modes: Dict[str, Callable[[], None]], warmup: int, repeats: int, deadline: float, device: torch.device
-) -> Dict[str, Dict[str, object]]:
-    """Warm up every mode, then time up to ``repeats`` runs of each within ``deadline`` (perf_counter).
-
-    Repeats are cut to what the budget allows, judged from the slowest run seen so far; fewer than
-    one timed run of each mode raises OverBudget.
-    """
-    slowest = {name: 0.0 for name in modes}
+def warm(modes: Dict[str, Callable[[], None]], runs: int, slowest: Dict[str, float], deadline: float,
+         device: torch.device, what: str) -> None:
+    """``runs`` untimed runs of every mode, noting the slowest of each; OverBudget past ``deadline``."""
     for name, fn in modes.items():
-        for _ in range(warmup):
+        for _ in range(runs):
             slowest[name] = max(slowest[name], timed(fn, device))
             if time.perf_counter() > deadline:
-                raise OverBudget(f"warm-up {name} run took {slowest[name]:.1f} s and used up the budget")
+                raise OverBudget(f"{what} {name} run took {slowest[name]:.1f} s and used up the budget")
+
+
+def timed_runs(
+    modes: Dict[str, Callable[[], None]], repeats: int, slowest: Dict[str, float], deadline: float,
+    device: torch.device,
+) -> Dict[str, List[float]]:
+    """Up to ``repeats`` timed runs of each mode (interleaved), cut to what the budget allows, judged
+    from the slowest run seen so far; fewer than one timed run of each mode raises OverBudget."""
     times: Dict[str, List[float]] = {name: [] for name in modes}
     for _ in range(repeats):
         for name, fn in modes.items():
@@ -110,7 +125,75 @@ def measure(
     missing = [name for name, t in times.items() if not t]
     if missing:
         raise OverBudget(f"the budget ran out before a timed {missing[0]} run")
-    return {name: summarize(t) for name, t in times.items()}
+    return times
+
+
+def measure(
+    modes: Dict[str, Callable[[], None]], warmup: int, repeats: int, deadline: float, device: torch.device,
+    memory: Optional["PeakMemory"] = None,
+) -> Dict[str, Dict[str, object]]:
+    """Warm up every mode, then time up to ``repeats`` runs of each within ``deadline`` (perf_counter).
+
+    With ``memory`` (CPU): the warm-up's peak resident set goes into it, and the timed runs keep
+    every freed block (see the module's docstring).
+    """
+    slowest = {name: 0.0 for name in modes}
+    warm(modes, warmup, slowest, deadline, device, "warm-up")
+    if memory is None or not memory.keep_blocks():
+        return {name: summarize(t) for name, t in timed_runs(modes, repeats, slowest, deadline, device).items()}
+    times = None
+    try:
+        if time.perf_counter() + 2 * sum(slowest.values()) <= deadline:  # else the first timed runs grow it
+            warm(modes, 1, slowest, deadline, device, "heap-growing")
+        times, setting = timed_runs(modes, repeats, slowest, deadline, device), "every freed block kept"
+    except Exception as err:  # noqa: BLE001 - running out of memory is timed again below, the rest re-raised
+        if not is_oom(err):
+            raise
+    finally:
+        memory.release_blocks()
+    if times is None:  # outside the except block, so that the failed run's tensors are freed
+        times, setting = timed_runs(modes, repeats, slowest, deadline, device), "big blocks mapped (kept: out of memory)"
+    return {name: {**summarize(t), "allocator": setting} for name, t in times.items()}
+
+
+class PeakMemory:
+    """A point's peak memory: ``max_memory_allocated`` on a GPU; on the CPU the peak resident set of
+    the warm-ups of its measurements (before their timed runs keep every freed block), minus the
+    resident set before the point was built."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.baseline_mb = memory_reset(device)
+        self.peak_rss_mb: Optional[float] = None
+
+    def keep_blocks(self) -> bool:
+        """Note the peak so far, then keep every freed block (CPU); whether that took."""
+        if self.device.type == "cuda" or not os.access(CLEAR_REFS, os.W_OK):
+            return False  # without a way to restart the peak count, the timed runs would count in it
+        self.peak_rss_mb = max(self.peak_rss_mb or 0.0, proc_status_mb("VmHWM"))
+        return allocator.keep_all_freed_memory()
+
+    def release_blocks(self) -> None:
+        """Map big blocks per use again and restart the peak count from the resident set now."""
+        if allocator.return_freed_memory():
+            reset_peak_rss()
+
+    def result(self) -> Dict[str, object]:
+        if self.device.type == "cuda" or self.peak_rss_mb is None:
+            return memory_peak(self.device, self.baseline_mb)
+        peak = max(self.peak_rss_mb, proc_status_mb("VmHWM"))
+        return {
+            "peak_mem_mb": peak - (self.baseline_mb or 0.0),
+            "memory_kind": "cpu_peak_rss_minus_baseline",
+            "baseline_mem_mb": self.baseline_mb,
+            "peak_rss_mb": peak,
+        }
+
+
+def reset_peak_rss() -> None:
+    """Restart the kernel's peak resident set count (VmHWM) from the resident set now (Linux)."""
+    with open(CLEAR_REFS, "w") as f:
+        f.write("5")
 
 
 def memory_reset(device: torch.device) -> Optional[float]:

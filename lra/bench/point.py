@@ -20,15 +20,7 @@ import torch
 
 from ..allocator import keep_freed_memory
 from .estimate import PassThrough, add_stats, scale_stats, slice_fn
-from .measure import (
-    OverBudget,
-    cap_address_space,
-    is_oom,
-    measure,
-    memory_peak,
-    memory_reset,
-    timed,
-)
+from .measure import OverBudget, PeakMemory, cap_address_space, is_oom, measure, timed
 from .workloads import (
     Modes,
     attention_modes,
@@ -52,7 +44,7 @@ def estimated(forward: Dict[str, Any], train: Dict[str, Any], slice_info: Dict[s
 
 def run_whole(
     estimate: Optional[Dict[str, Any]], modes: Callable[[], Modes], spec: Dict[str, Any], deadline: float,
-    device: torch.device,
+    device: torch.device, memory: PeakMemory,
 ) -> Dict[str, Any]:
     """Time the whole point, unless the estimate says it cannot fit; an overrun falls back on the estimate."""
     if estimate is not None:
@@ -61,7 +53,7 @@ def run_whole(
         if spec["estimate"] == "always" or not fits:
             return estimate
     try:
-        stats = measure(modes(), spec["warmup"], spec["repeats"], deadline, device)
+        stats = measure(modes(), spec["warmup"], spec["repeats"], deadline, device, memory)
     except OverBudget as err:
         if estimate is None:
             raise
@@ -69,21 +61,26 @@ def run_whole(
     return {"status": "ok", "estimated": False, **stats}
 
 
-def attention_point(spec: Dict[str, Any], device: torch.device, dtype: torch.dtype, deadline: float) -> Dict[str, Any]:
+def attention_point(
+    spec: Dict[str, Any], device: torch.device, dtype: torch.dtype, deadline: float, memory: PeakMemory,
+) -> Dict[str, Any]:
     attn = attention_module(spec, device, dtype)
     n, queries = spec["length"], spec["slice_queries"]
     slicer = slice_fn(attn)
     estimate = None
     if slicer is not None and spec["estimate"] != "never" and queries < n:
         raw = measure(attention_modes(attn, slicer, spec, queries, device, dtype), spec["warmup"],
-                      min(spec["repeats"], 3), deadline, device)
+                      min(spec["repeats"], 3), deadline, device, memory)
         scale = n / queries
         info = {"queries": queries, "scale": scale, "forward": raw["forward"], "train": raw["train"]}
         estimate = estimated(scale_stats(raw["forward"], scale), scale_stats(raw["train"], scale), info)
-    return run_whole(estimate, lambda: attention_modes(attn, attn, spec, n, device, dtype), spec, deadline, device)
+    whole = lambda: attention_modes(attn, attn, spec, n, device, dtype)  # noqa: E731
+    return run_whole(estimate, whole, spec, deadline, device, memory)
 
 
-def model_point(spec: Dict[str, Any], device: torch.device, dtype: torch.dtype, deadline: float) -> Dict[str, Any]:
+def model_point(
+    spec: Dict[str, Any], device: torch.device, dtype: torch.dtype, deadline: float, memory: PeakMemory,
+) -> Dict[str, Any]:
     model = build_model(spec, device)
     n, queries, layers = spec["length"], spec["slice_queries"], spec["layers"]
     blocks = list(model.encoder.blocks)
@@ -93,24 +90,28 @@ def model_point(spec: Dict[str, Any], device: torch.device, dtype: torch.dtype, 
     if slicer is not None and spec["estimate"] != "never" and queries < n:
         sizes = {**spec, "head_dim": spec["width"] // spec["heads"]}
         raw = measure(attention_modes(attn, slicer, sizes, queries, device, dtype), spec["warmup"],
-                      min(spec["repeats"], 3), deadline, device)
+                      min(spec["repeats"], 3), deadline, device, memory)
         scale = n / queries
         # the rest of the model timed for real, the attention replaced by a pass-through
         originals = [block.attn for block in blocks]
         for block in blocks:
             block.attn = PassThrough()
-        rest = measure(model_modes(model, spec, device, dtype), spec["warmup"], spec["repeats"], deadline, device)
+        rest = measure(model_modes(model, spec, device, dtype), spec["warmup"], spec["repeats"], deadline, device,
+                       memory)
         for block, original in zip(blocks, originals):
             block.attn = original
         forward = add_stats(rest["forward"], scale_stats(raw["forward"], scale), layers)
         train = add_stats(rest["train"], scale_stats(raw["train"], scale), layers)
         info = {"queries": queries, "scale": scale, "layers": layers, "attention": raw, "rest": rest}
         estimate = estimated(forward, train, info)
-    return run_whole(estimate, lambda: model_modes(model, spec, device, dtype), spec, deadline, device)
+    return run_whole(estimate, lambda: model_modes(model, spec, device, dtype), spec, deadline, device, memory)
 
 
-def gemm_point(spec: Dict[str, Any], device: torch.device, dtype: torch.dtype, deadline: float) -> Dict[str, Any]:
+def gemm_point(
+    spec: Dict[str, Any], device: torch.device, dtype: torch.dtype, deadline: float, memory: PeakMemory,
+) -> Dict[str, Any]:
     modes, flops = gemm_modes(spec["gemm_size"], device, dtype)
+    # the operands are allocated once, so the allocator's setting does not matter: no memory phases
     stats = measure(modes, spec["warmup"], spec["repeats"], deadline, device)["matmul"]
     return {
         "status": "ok", "size": spec["gemm_size"], "flops": flops, "matmul": stats,
@@ -137,23 +138,23 @@ def run_point(spec: Dict[str, Any]) -> Dict[str, Any]:
             torch.cuda.set_per_process_memory_fraction(min(1.0, spec["max_mem_gb"] * 2**30 / total), device)
         else:
             cap_address_space(spec["max_mem_gb"])
-    baseline = memory_reset(device)
+    memory = PeakMemory(device)
     start = time.perf_counter()
     kernel = kernel_of(spec["backend"], device, spec["attn_options"]) if spec["level"] != "gemm" else "torch.mm"
     try:
-        result = LEVELS[spec["level"]](spec, device, dtype, start + spec["budget_s"])
+        result = LEVELS[spec["level"]](spec, device, dtype, start + spec["budget_s"], memory)
     except OverBudget as err:
         result = {"status": "timeout", "message": str(err)}
     except Exception as err:  # noqa: BLE001 - any failure becomes the point's status
         if not is_oom(err):
             raise
         result = {"status": "oom", "message": str(err).strip().splitlines()[0][:300]}
-    memory = memory_peak(device, baseline)
+    peak = memory.result()
     if result.get("estimated"):
         # the slice's memory is not the point's: keep it, but report no peak for the point
-        result["slice"]["peak_mem_mb"] = memory.pop("peak_mem_mb")
-        memory["peak_mem_mb"] = None
-    return {**result, **memory, "kernel": kernel, "measure_s": time.perf_counter() - start}
+        result["slice"]["peak_mem_mb"] = peak.pop("peak_mem_mb")
+        peak["peak_mem_mb"] = None
+    return {**result, **peak, "kernel": kernel, "measure_s": time.perf_counter() - start}
 
 
 def child(spec_path: str) -> None:

@@ -1,0 +1,108 @@
+"""The allocator settings (lra/allocator.py) and the benchmark's two phases (memory in the warm-up
+with big blocks mapped per use, timed runs with every freed block kept: lra/bench/measure.py)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from typing import Callable, Dict
+
+import pytest
+import torch
+
+from lra import allocator
+from lra.bench.measure import CLEAR_REFS, PeakMemory, measure
+
+GLIBC = sys.platform.startswith("linux") and allocator._libc() is not None
+needs_glibc = pytest.mark.skipif(not GLIBC or not os.access(CLEAR_REFS, os.W_OK),
+                                 reason="glibc's mallopt and /proc/self/clear_refs (Linux)")
+
+# page faults of allocating and filling a 64 MiB block twice, in a fresh process under a setting,
+# after a dozen such blocks
+FAULTS = """
+import resource, sys, torch
+from lra import allocator
+setting = sys.argv[1]
+if setting == "all":
+    print(allocator.keep_all_freed_memory())
+elif setting == "returned":
+    print(allocator.keep_all_freed_memory() and allocator.return_freed_memory())
+else:
+    print(allocator.keep_freed_memory())
+for _ in range(12):  # glibc's heap takes a few rounds to leave a hole that fits the block
+    torch.empty(16 << 20).fill_(1.0)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(2):
+    torch.empty(16 << 20).fill_(2.0)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def faults(setting: str, env: Dict[str, str] | None = None) -> tuple:
+    out = subprocess.run([sys.executable, "-c", FAULTS, setting], capture_output=True, text=True, check=True,
+                         env={**os.environ, **(env or {})}).stdout.split()
+    return out[0] == "True", int(out[1])
+
+
+@needs_glibc
+def test_keeping_every_block_stops_the_page_faults_and_returning_restores_them() -> None:
+    # a 64 MiB block is above the 32 MiB that keep_freed_memory keeps: 16,384 pages faulted in each time
+    took, mapped = faults("kept")
+    assert took and mapped > 20_000
+    took, kept = faults("all")
+    assert took and kept < 1_000
+    took, returned = faults("returned")
+    assert took and returned > 20_000
+
+
+@needs_glibc
+def test_malloc_tuning_0_turns_every_setting_off() -> None:
+    took, mapped = faults("all", {"LRA_MALLOC_TUNING": "0"})
+    assert not took and mapped > 20_000
+    assert "every freed block" in subprocess.run(
+        [sys.executable, "-c", "from lra import allocator; print(allocator.describe())"], capture_output=True,
+        text=True, env={**os.environ, "LRA_MALLOC_TUNING": "all"}, check=True).stdout
+
+
+def block_mode(mb: int) -> Callable[[], None]:
+    def run() -> None:
+        torch.empty(mb << 18).fill_(1.0)  # mb MiB of float32, every page touched
+    return run
+
+
+@needs_glibc
+def test_peak_memory_comes_from_the_warm_up_and_the_timed_runs_keep_blocks() -> None:
+    memory = PeakMemory(torch.device("cpu"))
+    stats = measure({"train": block_mode(96)}, 1, 3, time.perf_counter() + 60, torch.device("cpu"), memory)
+    assert stats["train"]["allocator"] == "every freed block kept"
+    assert stats["train"]["repeats"] == 3
+    assert not allocator._keep_all  # given back after the timed runs
+    peak = memory.result()["peak_mem_mb"]
+    assert 80 < peak < 200, peak
+
+
+@needs_glibc
+def test_a_timed_run_out_of_memory_with_blocks_kept_is_timed_again_mapped() -> None:
+    def picky() -> None:
+        if allocator._keep_all:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+        block_mode(1)()
+
+    memory = PeakMemory(torch.device("cpu"))
+    stats = measure({"train": picky}, 1, 2, time.perf_counter() + 60, torch.device("cpu"), memory)
+    assert stats["train"]["allocator"].startswith("big blocks mapped")
+    assert stats["train"]["repeats"] == 2
+
+
+def test_other_errors_in_the_timed_runs_are_not_swallowed() -> None:
+    calls = []
+
+    def broken() -> None:
+        calls.append(1)
+        if len(calls) > 1:
+            raise ValueError("a bug in the mode")
+
+    with pytest.raises(ValueError, match="a bug"):
+        measure({"train": broken}, 1, 2, time.perf_counter() + 60, torch.device("cpu"), PeakMemory(torch.device("cpu")))
+    assert not allocator._keep_all

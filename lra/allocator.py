@@ -88,6 +88,13 @@ def return_freed_memory() -> bool:
     return True
 
 
+def setting_now() -> str:
+    """The setting in effect in this process now, in a few words."""
+    if _keep_all:
+        return "every freed block kept"
+    return "freed blocks up to 32 MiB kept" if _applied else "system default"
+
+
 def describe(benchmark: bool = False) -> str:
     """What the records say about the allocator of the process that measures (this one, or a child
     with its environment); ``benchmark``: a point of lra-bench, which switches between the two."""

@@ -11,11 +11,10 @@ runs with big blocks mapped per use, so the resident set follows what the tensor
 peak is the point's memory; the timed runs keep every freed block on the heap (no page faults,
 which at batch 32 and N = 4K took half of a step's time), after one more untimed run of each mode
 that grows the heap. A timed run that runs out of memory that way is timed again with the blocks
-mapped (``allocator`` in the result says which setting timed it).
+mapped; ``allocator`` in each mode's timings says which setting timed it.
 """
 from __future__ import annotations
 
-import os
 import resource
 import statistics
 import time
@@ -24,9 +23,6 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from .. import allocator
-
-
-CLEAR_REFS = "/proc/self/clear_refs"  # writing 5 restarts VmHWM (Linux 4.0+)
 
 
 class OverBudget(Exception):
@@ -140,26 +136,28 @@ def measure(
     slowest = {name: 0.0 for name in modes}
     warm(modes, warmup, slowest, deadline, device, "warm-up")
     if memory is None or not memory.keep_blocks():
-        return {name: summarize(t) for name, t in timed_runs(modes, repeats, slowest, deadline, device).items()}
+        times = timed_runs(modes, repeats, slowest, deadline, device)
+        return {name: {**summarize(t), "allocator": allocator.setting_now()} for name, t in times.items()}
     times = None
     try:
         if time.perf_counter() + 2 * sum(slowest.values()) <= deadline:  # else the first timed runs grow it
             warm(modes, 1, slowest, deadline, device, "heap-growing")
-        times, setting = timed_runs(modes, repeats, slowest, deadline, device), "every freed block kept"
+        times, setting = timed_runs(modes, repeats, slowest, deadline, device), allocator.setting_now()
     except Exception as err:  # noqa: BLE001 - running out of memory is timed again below, the rest re-raised
         if not is_oom(err):
             raise
     finally:
         memory.release_blocks()
     if times is None:  # outside the except block, so that the failed run's tensors are freed
-        times, setting = timed_runs(modes, repeats, slowest, deadline, device), "big blocks mapped (kept: out of memory)"
+        times = timed_runs(modes, repeats, slowest, deadline, device)
+        setting = allocator.setting_now() + " (every freed block kept ran out of memory)"
     return {name: {**summarize(t), "allocator": setting} for name, t in times.items()}
 
 
 class PeakMemory:
-    """A point's peak memory: ``max_memory_allocated`` on a GPU; on the CPU the peak resident set of
-    the warm-ups of its measurements (before their timed runs keep every freed block), minus the
-    resident set before the point was built."""
+    """A point's peak memory: ``max_memory_allocated`` on a GPU; on the CPU the peak resident set
+    until its timed runs first keep every freed block (after that the heap keeps blocks that would
+    otherwise go back, and may hand them out again), minus the resident set before the point."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -167,33 +165,26 @@ class PeakMemory:
         self.peak_rss_mb: Optional[float] = None
 
     def keep_blocks(self) -> bool:
-        """Note the peak so far, then keep every freed block (CPU); whether that took."""
-        if self.device.type == "cuda" or not os.access(CLEAR_REFS, os.W_OK):
-            return False  # without a way to restart the peak count, the timed runs would count in it
-        self.peak_rss_mb = max(self.peak_rss_mb or 0.0, proc_status_mb("VmHWM"))
+        """Keep every freed block from now on (CPU; the peak so far noted the first time); whether it took."""
+        if self.device.type == "cuda":
+            return False
+        if self.peak_rss_mb is None:
+            self.peak_rss_mb = proc_status_mb("VmHWM")
         return allocator.keep_all_freed_memory()
 
     def release_blocks(self) -> None:
-        """Map big blocks per use again and restart the peak count from the resident set now."""
-        if allocator.return_freed_memory():
-            reset_peak_rss()
+        """Map big blocks per use again and hand the heap's free pages back."""
+        allocator.return_freed_memory()
 
     def result(self) -> Dict[str, object]:
         if self.device.type == "cuda" or self.peak_rss_mb is None:
             return memory_peak(self.device, self.baseline_mb)
-        peak = max(self.peak_rss_mb, proc_status_mb("VmHWM"))
         return {
-            "peak_mem_mb": peak - (self.baseline_mb or 0.0),
+            "peak_mem_mb": self.peak_rss_mb - (self.baseline_mb or 0.0),
             "memory_kind": "cpu_peak_rss_minus_baseline",
             "baseline_mem_mb": self.baseline_mb,
-            "peak_rss_mb": peak,
+            "peak_rss_mb": self.peak_rss_mb,
         }
-
-
-def reset_peak_rss() -> None:
-    """Restart the kernel's peak resident set count (VmHWM) from the resident set now (Linux)."""
-    with open(CLEAR_REFS, "w") as f:
-        f.write("5")
 
 
 def memory_reset(device: torch.device) -> Optional[float]:

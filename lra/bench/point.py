@@ -43,15 +43,21 @@ def estimated(forward: Dict[str, Any], train: Dict[str, Any], slice_info: Dict[s
 
 
 def run_whole(
-    estimate: Optional[Dict[str, Any]], modes: Callable[[], Modes], spec: Dict[str, Any], deadline: float,
-    device: torch.device, memory: PeakMemory,
+    estimate_of: Optional[Callable[[Optional[PeakMemory]], Dict[str, Any]]], modes: Callable[[], Modes],
+    spec: Dict[str, Any], deadline: float, device: torch.device, memory: PeakMemory,
 ) -> Dict[str, Any]:
-    """Time the whole point, unless the estimate says it cannot fit; an overrun falls back on the estimate."""
+    """Time the whole point, unless the estimate says it cannot fit; an overrun falls back on the estimate.
+
+    The estimate (``estimate_of``, from a slice) is measured first with big blocks mapped per use
+    (no ``memory``), so that the whole point's warm-up after it still shows its own peak memory; when
+    the estimate is the result, it is timed again as whole points are, with every freed block kept.
+    """
+    estimate = None if estimate_of is None else estimate_of(None)
     if estimate is not None:
         per_run = float(estimate["forward"]["median_s"]) + float(estimate["train"]["median_s"])
         fits = HEADROOM * per_run * (spec["warmup"] + 1) <= deadline - time.perf_counter()
         if spec["estimate"] == "always" or not fits:
-            return estimate
+            return estimate_of(memory)
     try:
         stats = measure(modes(), spec["warmup"], spec["repeats"], deadline, device, memory)
     except OverBudget as err:
@@ -67,15 +73,17 @@ def attention_point(
     attn = attention_module(spec, device, dtype)
     n, queries = spec["length"], spec["slice_queries"]
     slicer = slice_fn(attn)
-    estimate = None
-    if slicer is not None and spec["estimate"] != "never" and queries < n:
+
+    def estimate_of(slice_memory: Optional[PeakMemory]) -> Dict[str, Any]:
         raw = measure(attention_modes(attn, slicer, spec, queries, device, dtype), spec["warmup"],
-                      min(spec["repeats"], 3), deadline, device, memory)
+                      min(spec["repeats"], 3), deadline, device, slice_memory)
         scale = n / queries
         info = {"queries": queries, "scale": scale, "forward": raw["forward"], "train": raw["train"]}
-        estimate = estimated(scale_stats(raw["forward"], scale), scale_stats(raw["train"], scale), info)
+        return estimated(scale_stats(raw["forward"], scale), scale_stats(raw["train"], scale), info)
+
+    sliced = slicer is not None and spec["estimate"] != "never" and queries < n
     whole = lambda: attention_modes(attn, attn, spec, n, device, dtype)  # noqa: E731
-    return run_whole(estimate, whole, spec, deadline, device, memory)
+    return run_whole(estimate_of if sliced else None, whole, spec, deadline, device, memory)
 
 
 def model_point(
@@ -86,25 +94,28 @@ def model_point(
     blocks = list(model.encoder.blocks)
     attn = blocks[0].attn
     slicer = slice_fn(attn)
-    estimate = None
-    if slicer is not None and spec["estimate"] != "never" and queries < n:
+
+    def estimate_of(slice_memory: Optional[PeakMemory]) -> Dict[str, Any]:
         sizes = {**spec, "head_dim": spec["width"] // spec["heads"]}
         raw = measure(attention_modes(attn, slicer, sizes, queries, device, dtype), spec["warmup"],
-                      min(spec["repeats"], 3), deadline, device, memory)
+                      min(spec["repeats"], 3), deadline, device, slice_memory)
         scale = n / queries
         # the rest of the model timed for real, the attention replaced by a pass-through
         originals = [block.attn for block in blocks]
         for block in blocks:
             block.attn = PassThrough()
         rest = measure(model_modes(model, spec, device, dtype), spec["warmup"], spec["repeats"], deadline, device,
-                       memory)
+                       slice_memory)
         for block, original in zip(blocks, originals):
             block.attn = original
         forward = add_stats(rest["forward"], scale_stats(raw["forward"], scale), layers)
         train = add_stats(rest["train"], scale_stats(raw["train"], scale), layers)
         info = {"queries": queries, "scale": scale, "layers": layers, "attention": raw, "rest": rest}
-        estimate = estimated(forward, train, info)
-    return run_whole(estimate, lambda: model_modes(model, spec, device, dtype), spec, deadline, device, memory)
+        return estimated(forward, train, info)
+
+    sliced = slicer is not None and spec["estimate"] != "never" and queries < n
+    whole = lambda: model_modes(model, spec, device, dtype)  # noqa: E731
+    return run_whole(estimate_of if sliced else None, whole, spec, deadline, device, memory)
 
 
 def gemm_point(

@@ -28,6 +28,8 @@ import ctypes
 import os
 import sys
 
+from .errors import UserError
+
 # mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -2, -3, -4
 SETTINGS = ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 64 << 20))
@@ -37,8 +39,16 @@ _applied = None
 _keep_all = False
 
 
+SETTING_VALUES = ("0", "1", "all")
+
+
 def _setting() -> str:
-    return os.environ.get("LRA_MALLOC_TUNING", "1")
+    """LRA_MALLOC_TUNING (default 1); a value outside SETTING_VALUES is a UserError."""
+    value = os.environ.get("LRA_MALLOC_TUNING", "1")
+    if value not in SETTING_VALUES:
+        raise UserError(f"LRA_MALLOC_TUNING={value!r}: use 0 (glibc's defaults), 1 (freed blocks up to 32 MiB "
+                        "kept, the default) or all (every freed block kept)")
+    return value
 
 
 def _libc():
@@ -58,10 +68,11 @@ def keep_freed_memory() -> bool:
     """Keep freed blocks up to 32 MiB (once per process; with LRA_MALLOC_TUNING=all every block);
     whether the setting is in effect."""
     global _applied
+    setting = _setting()  # checked on every call: a bad value is the user's to hear about
     if _applied is None:
         libc = _libc()
         _applied = libc is not None and all(libc.mallopt(param, value) == 1 for param, value in SETTINGS)
-        if _applied and _setting() == "all":
+        if _applied and setting == "all":
             keep_all_freed_memory()
     return _applied
 

@@ -174,9 +174,16 @@ def cut_in_half(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+def bad_malloc_tuning(here: Path, data: Path, patch: pytest.MonkeyPatch) -> None:
+    patch.setenv("LRA_MALLOC_TUNING", "yes")
+
+
 CASES: Dict[str, Case] = {
     # config values, each with its valid range in the message
     "lr-nan": Case(run_args("train.lr=nan"), "train.lr must be a positive, finite number, got nan"),
+    "malloc-tuning-run": Case(run_args(), "LRA_MALLOC_TUNING='yes': use 0", bad_malloc_tuning),
+    "malloc-tuning-bench": Case(["attention", "--attn", "full", "--lengths", "1k", "--out", "b"],
+                                "LRA_MALLOC_TUNING='yes': use 0", bad_malloc_tuning, prog="lra-bench"),
     "lr-inf": Case(run_args("train.lr=.inf"), "train.lr must be a positive, finite number, got inf"),
     "lr-zero": Case(run_args("train.lr=0"), "train.lr must be a positive"),
     "log-every-0": Case(run_args("train.log_every=0"), "train.log_every must be at least 1, got 0"),

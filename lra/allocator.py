@@ -13,7 +13,7 @@ and N = 4K every activation [32, 4096, 64] is one, and a step faulted 500,000-70
 attention at N = 64K 49,000 per step (0.18 s of 0.86 s). ``keep_all_freed_memory`` takes every
 block from the heap and never unmaps one: no faults after the first step, but the heap keeps
 the holes between blocks of different sizes, so the resident set grows above what the tensors
-need (+5% to +80% at batch 32, N = 4K, Top-k 2.5x). lra-bench therefore measures a point's peak
+need (+7% to +80% at batch 32, N = 4K, Top-k 2.6x). lra-bench therefore measures a point's peak
 memory in its warm-up, with big blocks mapped per use, and times it with every block kept
 (lra/bench/measure.py); ``return_freed_memory`` goes back between the two.
 

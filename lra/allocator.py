@@ -111,9 +111,10 @@ def describe(benchmark: bool = False) -> str:
     with its environment); ``benchmark``: a point of lra-bench, which switches between the two."""
     if _libc() is None:
         return "system default"
+    if _setting() == "all":
+        return ("glibc, every freed block kept (LRA_MALLOC_TUNING=all, lra/allocator.py)"
+                + ("; peak memory includes the heap's holes" if benchmark else ""))
     if benchmark:
         return ("glibc: peak memory from the warm-up with freed blocks up to 32 MiB kept, "
                 "timed runs with every freed block kept (lra/allocator.py)")
-    if _setting() == "all":
-        return "glibc, every freed block kept (LRA_MALLOC_TUNING=all, lra/allocator.py)"
     return "glibc, freed blocks up to 32 MiB kept (lra/allocator.py)"

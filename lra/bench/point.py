@@ -51,6 +51,7 @@ def run_whole(
     The estimate (``estimate_of``, from a slice) is measured first with big blocks mapped per use
     (no ``memory``), so that the whole point's warm-up after it still shows its own peak memory; when
     the estimate is the result, it is timed again as whole points are, with every freed block kept.
+    (An overrun of the whole falls back on the first estimate: its timings name their allocator setting.)
     """
     estimate = None if estimate_of is None else estimate_of(None)
     if estimate is not None:

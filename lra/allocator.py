@@ -91,7 +91,7 @@ def return_freed_memory() -> bool:
     handed back (malloc_trim); whether there was anything to undo."""
     global _keep_all
     libc = _libc()
-    if not _keep_all or libc is None:
+    if not _keep_all or libc is None or _setting() == "all":  # LRA_MALLOC_TUNING=all: kept for good
         return False
     libc.mallopt(M_MMAP_MAX, GLIBC_MMAP_MAX)
     libc.malloc_trim(0)

@@ -56,9 +56,14 @@ def test_keeping_every_block_stops_the_page_faults_and_returning_restores_them()
 
 
 @needs_glibc
-def test_malloc_tuning_0_turns_every_setting_off() -> None:
+def test_malloc_tuning_0_turns_every_setting_off_and_all_keeps_blocks_for_good() -> None:
     took, mapped = faults("all", {"LRA_MALLOC_TUNING": "0"})
     assert not took and mapped > 20_000
+    kept_for_good = "from lra import allocator; allocator.keep_freed_memory(); " \
+                    "print(allocator.return_freed_memory(), allocator.setting_now())"
+    assert subprocess.run([sys.executable, "-c", kept_for_good], capture_output=True, text=True, check=True,
+                          env={**os.environ, "LRA_MALLOC_TUNING": "all"}).stdout.split("\n")[0] == \
+        "False every freed block kept"
     assert "every freed block" in subprocess.run(
         [sys.executable, "-c", "from lra import allocator; print(allocator.describe())"], capture_output=True,
         text=True, env={**os.environ, "LRA_MALLOC_TUNING": "all"}, check=True).stdout

@@ -10,8 +10,9 @@ On the CPU the two are measured under different allocator settings (lra/allocato
 runs with big blocks mapped per use, so the resident set follows what the tensors need, and its
 peak is the point's memory; the timed runs keep every freed block on the heap (no page faults,
 which at batch 32 and N = 4K took half of a step's time), after one more untimed run of each mode
-that grows the heap (when the budget has room for it). A timed run that runs out of memory that way is timed again with the blocks
-mapped; ``allocator`` in each mode's timings says which setting timed it.
+that grows the heap (when the budget has room for it). A timed run that runs out of memory that
+way is timed again with the blocks mapped; ``allocator`` in each mode's timings says which setting
+timed it.
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 # the installed (or PYTHONPATH's) lra first, so another checkout can be timed; this one otherwise
 if importlib.util.find_spec("lra") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lra.allocator import keep_all_freed_memory  # noqa: E402
+from lra.allocator import keep_all_freed_memory, setting_now  # noqa: E402
 from lra.bench.estimate import PassThrough  # noqa: E402
 from lra.config import ModelConfig  # noqa: E402
 from lra.model import LRAModel  # noqa: E402
@@ -89,7 +89,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     # as lra-bench's timed runs: no page faults after the first step (memory is not measured here)
-    kept = keep_all_freed_memory()
+    keep_all_freed_memory()
     backends = args.attn.split(",")
     load = os.getloadavg()[0]
     print(f"| batch | N | " + " | ".join(f"{b} step" for b in backends) + " | "
@@ -102,8 +102,7 @@ def main() -> None:
             print(f"| {batch} | {n} | " + " | ".join(f"{med[b] * 1000:.0f} ms" for b in backends) + " | "
                   + " | ".join(f"{base / med[b]:.2f}x" for b in backends[1:]) + " |", flush=True)
     print(f"\n{torch.get_num_threads()} torch threads, torch {torch.__version__}; load average (1 min) "
-          f"{load:.2f} at start, {os.getloadavg()[0]:.2f} at end; allocator: "
-          + ("glibc, every freed block kept" if kept else "system default"))
+          f"{load:.2f} at start, {os.getloadavg()[0]:.2f} at end; allocator: {setting_now()}")
 
 
 if __name__ == "__main__":

@@ -139,3 +139,13 @@ def test_a_point_is_timed_with_every_block_kept_whether_whole_or_estimated(estim
     timings = result["slice"] if estimate == "always" else result
     assert timings["train"]["allocator"] == timings["forward"]["allocator"] == "every freed block kept"
     assert not allocator._keep_all
+
+
+def test_a_record_says_its_memory_stops_at_the_timed_runs_when_its_points_switched() -> None:
+    from lra.bench.report import memory_kind
+
+    cpu = {"hardware": {"device": "cpu"}}
+    switched = {**cpu, "versions": {"allocator": allocator.describe(benchmark=True)}}
+    older = {**cpu, "versions": {"allocator": "glibc, freed blocks up to 32 MiB kept (lra/allocator.py)"}}
+    assert ("until its timed runs" in memory_kind(switched)) == GLIBC
+    assert "until its timed runs" not in memory_kind(older)

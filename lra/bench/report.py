@@ -193,6 +193,8 @@ def markdown(record: Dict[str, Any]) -> str:
 def memory_kind(record: Dict[str, Any]) -> str:
     if record["hardware"]["device"] == "cuda":
         return "torch.cuda.max_memory_allocated"
+    if "timed runs with every freed block kept" in record.get("versions", {}).get("allocator", ""):
+        return "peak RSS of the point's process until its timed runs, minus its RSS before the point"
     return "peak RSS of the point's process minus its RSS before the point"
 
 

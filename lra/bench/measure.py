@@ -178,14 +178,7 @@ class PeakMemory:
         allocator.return_freed_memory()
 
     def result(self) -> Dict[str, object]:
-        if self.device.type == "cuda" or self.peak_rss_mb is None:
-            return memory_peak(self.device, self.baseline_mb)
-        return {
-            "peak_mem_mb": self.peak_rss_mb - (self.baseline_mb or 0.0),
-            "memory_kind": "cpu_peak_rss_minus_baseline",
-            "baseline_mem_mb": self.baseline_mb,
-            "peak_rss_mb": self.peak_rss_mb,
-        }
+        return memory_peak(self.device, self.baseline_mb, self.peak_rss_mb)
 
 
 def memory_reset(device: torch.device) -> Optional[float]:
@@ -197,15 +190,18 @@ def memory_reset(device: torch.device) -> Optional[float]:
     return proc_status_mb("VmRSS")
 
 
-def memory_peak(device: torch.device, baseline_mb: Optional[float]) -> Dict[str, object]:
-    """The point's peak memory, how it was measured, and the baseline it excludes."""
+def memory_peak(
+    device: torch.device, baseline_mb: Optional[float], peak_rss_mb: Optional[float] = None
+) -> Dict[str, object]:
+    """The point's peak memory, how it was measured, and the baseline it excludes; on the CPU
+    ``peak_rss_mb`` when given (PeakMemory's), else the process's peak resident set so far."""
     if device.type == "cuda":
         return {
             "peak_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20,
             "memory_kind": "cuda_max_memory_allocated",
             "baseline_mem_mb": 0.0,
         }
-    peak = proc_status_mb("VmHWM")
+    peak = proc_status_mb("VmHWM") if peak_rss_mb is None else peak_rss_mb
     return {
         "peak_mem_mb": peak - (baseline_mb or 0.0),
         "memory_kind": "cpu_peak_rss_minus_baseline",

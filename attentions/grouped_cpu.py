@@ -21,9 +21,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import native
+from . import grouped, native
 from .base import AttentionError
-from .grouped import SAVE_ELEMENTS, expert_runs, gather_rows, grouped_attention, merge
+from .grouped import expert_runs, gather_rows, grouped_attention, merge
 
 LIBRARY = "grouped_cpu"
 _f, _i64 = ctypes.c_float, ctypes.c_int64
@@ -72,15 +72,15 @@ def _call(fn_name: str, args: Grouped) -> None:
 def forward_call(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets,
                  group: int, scale: float, unit: int) -> Tuple[torch.Tensor, torch.Tensor, Grouped]:
     """The kernel's forward on prepared inputs (see ``grouped_attention_cpu``): out [P, D], lse [P]
-    and the argument block that ``backward_call`` takes; it points into the inputs, the results and
-    the saved softmax rows (``block.probs_tensor``): keep them alive until the backward."""
+    and the argument block that ``backward_call`` takes, which points into the inputs (keep them alive
+    until the backward) and holds the saved softmax rows. ``backward_call`` takes out and lse again."""
     x, s = rows.shape if rows is not None else keys.shape[:2]
     m = 0 if shared_keys is None else shared_keys.shape[1]
     out, lse = torch.empty_like(q), q.new_empty(q.shape[0])  # [P, D], [P]: the kernel writes every pair ...
     none = order[offsets[-1]:]  # ... in an expert's run; a pair with no expert gets 0 and -inf
     out[none], lse[none] = 0.0, float("-inf")
     # the softmax rows [P, M + S] are kept for the backward when they fit (else recomputed)
-    probs = q.new_empty(q.shape[0], m + s) if q.shape[0] * (m + s) <= SAVE_ELEMENTS else None
+    probs = q.new_empty(q.shape[0], m + s) if q.shape[0] * (m + s) <= grouped.SAVE_ELEMENTS else None
     args = Grouped(
         experts=x, S=s, D=q.shape[1], M=m, group=group, unit=unit, threads=torch.get_num_threads(),
         pairs=q.shape[0], scale=scale,
@@ -95,9 +95,12 @@ def forward_call(q, keys, values, shared_keys, shared_values, rows, key_ok, shar
 
 def backward_call(args: Grouped, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                   shared_keys: Optional[torch.Tensor], shared_values: Optional[torch.Tensor],
-                  order: torch.Tensor, offsets: torch.Tensor, d_out: torch.Tensor, d_lse: Optional[torch.Tensor]):
-    """The kernel's backward for the forward whose block ``args`` is (its out and lse still alive):
-    dq, d keys, d values and the shared tables' gradients (None without them), new tensors."""
+                  order: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  d_out: torch.Tensor, d_lse: Optional[torch.Tensor]):
+    """The kernel's backward for the forward whose block ``args`` is, given that forward's out and lse
+    (the backward reads both; a caller that kept only out had the kernel read freed memory where the
+    softmax rows are recomputed): dq, d keys, d values and the shared tables' gradients (None without
+    them), new tensors."""
     d_out = d_out.to(q.dtype).contiguous()
     d_lse = None if d_lse is None else d_lse.to(q.dtype).contiguous()  # [P]
     dq = torch.empty_like(q)
@@ -108,6 +111,7 @@ def backward_call(args: Grouped, q: torch.Tensor, keys: torch.Tensor, values: to
     dq[order[offsets[-1]:]] = 0.0
     # the saved tensors are the forward's own (no copies): the forward's pointers still hold
     offset = q.new_empty(q.shape[0])  # [P], filled by the kernel
+    args.out, args.lse = _ptr(out), _ptr(lse)
     args.dout, args.dlse, args.offset, args.dq = _ptr(d_out), _ptr(d_lse), _ptr(offset), _ptr(dq)
     args.dkeys, args.dvalues = _ptr(d_keys), _ptr(d_values)
     args.dskeys, args.dsvalues = _ptr(d_shared_keys), _ptr(d_shared_values)
@@ -130,8 +134,8 @@ class GroupedAttentionCPU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out: torch.Tensor, d_lse: torch.Tensor):
-        q, keys, values, shared_keys, shared_values, _, _, _, _, _, order, offsets = ctx.saved_tensors
-        grads = backward_call(ctx.args, q, keys, values, shared_keys, shared_values, order, offsets, d_out,
+        q, keys, values, shared_keys, shared_values, _, _, _, out, lse, order, offsets = ctx.saved_tensors
+        grads = backward_call(ctx.args, q, keys, values, shared_keys, shared_values, order, offsets, out, lse, d_out,
                               d_lse if ctx.with_lse else None)
         return *grads, *[None] * 9
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attentions import AttentionError, build_attention, grouped_cpu, native, sparse, topk
+from attentions import AttentionError, build_attention, grouped, grouped_cpu, native, sparse, topk
 from attentions.grouped import grouped_attention
 from attentions.grouped_cpu import grouped_attention_cpu
 from attentions.grouped_triton import pick_grouped
@@ -21,8 +21,11 @@ needs_kernels = pytest.mark.skipif(not grouped_cpu.available(),
 
 
 @needs_kernels
+@pytest.mark.parametrize("saved", [True, False], ids=["rows-saved", "rows-recomputed"])
 @pytest.mark.parametrize("case", GROUPED_CASES.values(), ids=GROUPED_CASES.keys())
-def test_grouped_kernel_matches_torch_path(case: tuple) -> None:
+def test_grouped_kernel_matches_torch_path(case: tuple, saved: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not saved:  # the backward recomputes the softmax rows from the saved log-sum-exps
+        monkeypatch.setattr(grouped, "SAVE_ELEMENTS", 0)
     check_grouped_against_torch_path(grouped_attention_cpu, case)
 
 

@@ -8,6 +8,12 @@
  * L1 cache, against torch.topk's sort of (value, index) pairs.
  * -inf and NaN are never above a finite threshold: they fill a row's last places only when it has
  * fewer than k finite values (lowest index first). Threads take whole runs of rows.
+ *
+ * A long row (n >= FILTER_MIN, e.g. a MiTA landmark's scores against all N keys) is first filtered in
+ * one pass: values below a running threshold, the k-th largest of a candidate buffer, cannot be in the
+ * top k (k values seen before are at least as large) and are skipped; the bisection then runs on the
+ * candidates, which are kept in index order so that ties still go to the lower indices. On a 64K row
+ * that replaces some twenty passes over 256 KB (out of L1) with one.
  */
 #include <math.h>
 #include <stdint.h>
@@ -34,7 +40,7 @@ static int64_t count_at_least(const float *x, int64_t n, float t) {
 }
 
 /* smallest and largest finite value of x [n] (lo > hi when there is none), in 8 lanes */
-static void finite_range(const float *x, int64_t n, float *lo, float *hi) {
+__attribute__((always_inline)) static inline void finite_range(const float *x, int64_t n, float *lo, float *hi) {
     float low[8], high[8];
     for (int l = 0; l < 8; l++) low[l] = INFINITY, high[l] = -INFINITY;
     int64_t j = 0;
@@ -74,7 +80,7 @@ static int64_t keep_at_least(const float *x, int64_t n, float t, float *values, 
 
 /* The k largest finite values of row x [n] into values, indices [k]; returns how many were written
  * (fewer than k when the row has fewer finite values). scratch: n + 1 indices, then n + 1 floats. */
-static int64_t select_finite(const float *x, int64_t n, int64_t k, float *values, int64_t *indices,
+__attribute__((always_inline)) static inline int64_t select_finite(const float *x, int64_t n, int64_t k, float *values, int64_t *indices,
                              int64_t *scratch) {
     if (k <= 0) return 0;
     float lo, hi;
@@ -105,6 +111,71 @@ static int64_t select_finite(const float *x, int64_t n, int64_t k, float *values
     return w;
 }
 
+/* rows at least this long are filtered first; the candidate buffer holds up to filter_room(k) (>= 4 k)
+ * values between compactions */
+#define FILTER_MIN 4096
+static int64_t filter_room(int64_t k) { return 4 * k > 1024 ? 4 * k : 1024; }
+
+/* bytes of select_long's buffer: candidates ci, cv [room + 64], a compaction's chosen indices and
+ * values [k], and select_finite's scratch for up to room + 64 candidates (room + 65 indices, then
+ * room + 65 floats) */
+static size_t filter_bytes(int64_t k) {
+    const int64_t room = filter_room(k);
+    return (sizeof(int64_t) + sizeof(float)) * (size_t)(room + 64 + k + room + 65);
+}
+
+/* The finite values of x [n] that can be among its k largest, in index order, into cv, ci
+ * [room + 64]; returns how many, or -1 when ties keep the buffer from shrinking (the caller then
+ * selects on the whole row). chosen, chosen_at [k] and scratch (room + 65 indices, then floats)
+ * serve the compactions. */
+static int64_t filter_candidates(const float *x, int64_t n, int64_t k, int64_t room, float *cv, int64_t *ci,
+                                 float *chosen, int64_t *chosen_at, int64_t *scratch) {
+    float t = -INFINITY; /* no threshold yet: every finite value is a candidate */
+    int64_t w = 0;
+    for (int64_t j0 = 0; j0 < n; j0 += 64) {
+        const int64_t end = j0 + 64 < n ? j0 + 64 : n;
+        int32_t any = 0;
+        for (int64_t j = j0; j < end; j++) any |= (x[j] >= t) & (x[j] > -INFINITY) & (x[j] < INFINITY);
+        if (!any) continue;
+        for (int64_t j = j0; j < end; j++) {
+            const float v = x[j];
+            cv[w] = v, ci[w] = j;
+            w += (v >= t) & (v > -INFINITY) & (v < INFINITY);
+        }
+        if (w + 64 > room) {
+            /* the threshold rises to the k-th largest candidate; those below it leave, order kept */
+            if (select_finite(cv, w, k, chosen, chosen_at, scratch) < k) return -1;
+            t = chosen[0];
+            for (int64_t i = 1; i < k; i++) t = chosen[i] < t ? chosen[i] : t;
+            int64_t kept = 0;
+            for (int64_t i = 0; i < w; i++) {
+                cv[kept] = cv[i], ci[kept] = ci[i];
+                kept += cv[i] >= t;
+            }
+            if (kept + 64 > room / 2) return -1; /* ties at the threshold: filtering does not pay */
+            w = kept;
+        }
+    }
+    return w;
+}
+
+/* select_finite of a long row through filter_candidates (buf: filter_bytes(k)); where ties defeat
+ * the filter, select_finite on the whole row (scratch: n + 1 indices, then n + 1 floats). */
+static int64_t select_long(const float *x, int64_t n, int64_t k, float *values, int64_t *indices, void *buf,
+                           int64_t *scratch) {
+    if (k <= 0) return 0;
+    const int64_t room = filter_room(k);
+    char *at = (char *)buf; /* the int64 arrays first, then the floats: see filter_bytes */
+    int64_t *ci = (int64_t *)at, *chosen_at = ci + room + 64, *fscratch = chosen_at + k;
+    at = (char *)(fscratch + room + 65) + sizeof(float) * (room + 65); /* past fscratch's floats */
+    float *cv = (float *)at, *chosen = cv + room + 64;
+    const int64_t w = filter_candidates(x, n, k, room, cv, ci, chosen, chosen_at, fscratch);
+    if (w < 0) return select_finite(x, n, k, values, indices, scratch);
+    const int64_t got = select_finite(cv, w, k, values, indices, fscratch);
+    for (int64_t i = 0; i < got; i++) indices[i] = ci[indices[i]];
+    return got;
+}
+
 static int has_positive_infinity(const float *x, int64_t n) {
     int32_t lane[8] = {0};
     int64_t j = 0;
@@ -118,9 +189,13 @@ static int has_positive_infinity(const float *x, int64_t n) {
 
 static void *run_rows(void *arg) {
     const Rows *r = (const Rows *)arg;
-    /* select_finite's scratch: n + 1 indices and n + 1 floats */
+    /* select_finite's scratch: n + 1 indices and n + 1 floats; select_long's buffer on long rows */
     int64_t *scratch = (int64_t *)malloc((sizeof(int64_t) + sizeof(float)) * (r->n + 1));
-    if (!scratch) return (void *)1;
+    void *filter = r->n >= FILTER_MIN ? malloc(filter_bytes(r->k)) : NULL;
+    if (!scratch || (r->n >= FILTER_MIN && !filter)) {
+        free(scratch), free(filter);
+        return (void *)1;
+    }
     for (int64_t row = r->first; row < r->last; row++) {
         const float *x = r->x + row * r->n;
         float *values = r->values + row * r->k;
@@ -131,11 +206,12 @@ static void *run_rows(void *arg) {
         if (has_positive_infinity(x, r->n))
             for (int64_t j = 0; j < r->n && w < r->k; j++)
                 if (x[j] == INFINITY) values[w] = x[j], indices[w++] = j;
-        w += select_finite(x, r->n, r->k - w, values + w, indices + w, scratch);
+        w += filter ? select_long(x, r->n, r->k - w, values + w, indices + w, filter, scratch)
+                    : select_finite(x, r->n, r->k - w, values + w, indices + w, scratch);
         for (int64_t j = 0; j < r->n && w < r->k; j++)
             if (!(x[j] >= -INFINITY) || x[j] == -INFINITY) values[w] = x[j], indices[w++] = j;
     }
-    free(scratch);
+    free(scratch), free(filter);
     return NULL;
 }
 

@@ -118,16 +118,21 @@ def test_a_failed_build_is_reported_and_leaves_no_file(monkeypatch: pytest.Monke
 
 
 def check_selection(x: torch.Tensor, k: int) -> None:
-    """topk_unsorted against torch.topk: the same values chosen, indices that point at them, no repeats."""
+    """topk_unsorted against torch.topk: the same values chosen, indices that point at them, no repeats,
+    and among equal values the lower indices (a stable sort's first k)."""
     values, index = topk_unsorted(x, k)
     ref = x.topk(k, dim=-1).values
     assert torch.equal(x.gather(-1, index), values)
     assert torch.equal(values.sort(-1, descending=True).values.nan_to_num(), ref.nan_to_num())
     assert bool((index.sort(-1).values.diff(dim=-1) > 0).all()), "an index chosen twice"
+    lowest = x.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+    assert torch.equal(index.sort(-1).values, lowest.sort(-1).values), "ties not broken to the lower indices"
 
 
 @needs_kernels
-@pytest.mark.parametrize("n, k", [(1024, 128), (1024, 64), (100, 7), (65, 64), (9, 1), (300, 299)])
+# from n = 4096 (topk_select.c's FILTER_MIN) rows are filtered before the bisection
+@pytest.mark.parametrize("n, k", [(1024, 128), (1024, 64), (100, 7), (65, 64), (9, 1), (300, 299),
+                                  (4096, 128), (20000, 64), (5000, 1), (4100, 4099)])
 def test_selection_chooses_what_torch_topk_chooses(n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(n + k)
     x = torch.randn(40, n, generator=gen)
@@ -139,6 +144,10 @@ def test_selection_chooses_what_torch_topk_chooses(n: int, k: int) -> None:
     x[10] = torch.randint(0, 3, (n,), generator=gen).float()  # heavy ties at the boundary
     x[11] = float("-inf")
     x[12, ::2] = float("-inf")
+    x[13] = torch.arange(n).float()  # ascending: every value raises the filter's threshold
+    x[14] = -torch.arange(n).float()
+    x[15] = torch.randint(0, 2, (n,), generator=gen).float()  # ties defeat the filter (whole-row fallback)
+    x[16, n // 3:] = x[16, : n - n // 3].clone()  # repeated values across the row
     check_selection(x, k)
     # ties at the boundary go to the lower indices
     _, index = topk_unsorted(torch.ones(1, n), k)

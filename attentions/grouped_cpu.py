@@ -51,6 +51,8 @@ def library() -> Optional[ctypes.CDLL]:
         for fn in (lib.grouped_forward, lib.grouped_backward):
             fn.argtypes, fn.restype = [ctypes.POINTER(Grouped)], ctypes.c_int
         lib.merge_parts.argtypes, lib.merge_parts.restype = [ctypes.POINTER(Merge), ctypes.c_int], ctypes.c_int
+        lib.take_rows.argtypes = [ctypes.c_void_p] * 3 + [_i64] * 3
+        lib.take_rows.restype = None
         lib._typed = True
     return lib
 
@@ -62,6 +64,17 @@ def available() -> bool:
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
+
+
+def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x.index_select(0, index) for x [R, D] and index [P] (int64, values in [0, R)), on the kernel
+    for contiguous float32 CPU tensors; not differentiable (the callers' Functions route gradients)."""
+    if not (fits(x) and x.dim() == 2 and x.is_contiguous() and index.dtype == torch.int64 and index.is_contiguous()):
+        return x.index_select(0, index)
+    out = x.new_empty(index.shape[0], x.shape[1])
+    library().take_rows(x.data_ptr(), index.data_ptr(), out.data_ptr(), index.shape[0], x.shape[1],
+                        torch.get_num_threads())
+    return out
 
 
 def _call(fn_name: str, args: Grouped) -> None:

@@ -67,6 +67,17 @@ def test_grouped_kernel_gives_the_same_bits_with_one_or_two_threads() -> None:
 
 
 @needs_kernels
+def test_take_rows_equals_index_select() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(500, 33, generator=gen)
+    index = torch.randint(0, 500, (777,), generator=gen)  # repeats, any order
+    assert torch.equal(grouped_cpu.take_rows(x, index), x.index_select(0, index))
+    assert grouped_cpu.take_rows(x, index[:0]).shape == (0, 33)
+    for other in (x.double(), x[:, ::2]):  # not float32 / not contiguous: index_select itself
+        assert torch.equal(grouped_cpu.take_rows(other, index), other.index_select(0, index))
+
+
+@needs_kernels
 def test_an_expert_with_every_key_masked_gives_zeros_not_nan() -> None:
     check_all_masked_expert(grouped_attention_cpu)
 

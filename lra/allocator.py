@@ -42,8 +42,8 @@ _keep_all = False
 SETTING_VALUES = ("0", "1", "all")
 
 
-def _setting() -> str:
-    """LRA_MALLOC_TUNING (default 1); a value outside SETTING_VALUES is a UserError."""
+def setting() -> str:
+    """LRA_MALLOC_TUNING (default 1); a value outside SETTING_VALUES is a UserError (on any platform)."""
     value = os.environ.get("LRA_MALLOC_TUNING", "1")
     if value not in SETTING_VALUES:
         raise UserError(f"LRA_MALLOC_TUNING={value!r}: use 0 (glibc's defaults), 1 (freed blocks up to 32 MiB "
@@ -53,7 +53,7 @@ def _setting() -> str:
 
 def _libc():
     """glibc where this process may tune it (Linux, LRA_MALLOC_TUNING not 0), else None."""
-    if not sys.platform.startswith("linux") or _setting() == "0":
+    if not sys.platform.startswith("linux") or setting() == "0":
         return None
     try:
         libc = ctypes.CDLL(None)
@@ -68,11 +68,11 @@ def keep_freed_memory() -> bool:
     """Keep freed blocks up to 32 MiB (once per process; with LRA_MALLOC_TUNING=all every block);
     whether the setting is in effect."""
     global _applied
-    setting = _setting()  # checked on every call: a bad value is the user's to hear about
+    chosen = setting()  # checked on every call: a bad value is the user's to hear about
     if _applied is None:
         libc = _libc()
         _applied = libc is not None and all(libc.mallopt(param, value) == 1 for param, value in SETTINGS)
-        if _applied and setting == "all":
+        if _applied and chosen == "all":
             keep_all_freed_memory()
     return _applied
 
@@ -91,7 +91,7 @@ def return_freed_memory() -> bool:
     handed back (malloc_trim); whether there was anything to undo."""
     global _keep_all
     libc = _libc()
-    if not _keep_all or libc is None or _setting() == "all":  # LRA_MALLOC_TUNING=all: kept for good
+    if not _keep_all or libc is None or setting() == "all":  # LRA_MALLOC_TUNING=all: kept for good
         return False
     libc.mallopt(M_MMAP_MAX, GLIBC_MMAP_MAX)
     libc.malloc_trim(0)
@@ -111,7 +111,7 @@ def describe(benchmark: bool = False) -> str:
     with its environment); ``benchmark``: a point of lra-bench, which switches between the two."""
     if _libc() is None:
         return "system default"
-    if _setting() == "all":
+    if setting() == "all":
         return ("glibc, every freed block kept (LRA_MALLOC_TUNING=all, lra/allocator.py)"
                 + ("; peak memory includes the heap's holes" if benchmark else ""))
     if benchmark:

@@ -25,7 +25,7 @@ import yaml
 
 from attentions import build_attention, list_attentions
 
-from ..allocator import describe as describe_allocator
+from ..allocator import setting as allocator_setting
 from ..machine import meminfo_gb
 from .flops import efficiency
 from .record import read_record
@@ -216,7 +216,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.level == "report":
         return rewrite(args.record, not args.no_plot)
     settings = settings_from(args)
-    describe_allocator()  # a bad LRA_MALLOC_TUNING says so before the output folder is made
+    allocator_setting()  # a bad LRA_MALLOC_TUNING says so before the output folder is made
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or f"results/throughput/{settings.level}-{settings.device}-{stamp}")
     try:

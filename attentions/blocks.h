@@ -35,29 +35,31 @@ static inline float exp_nonpos(float x) {
     return p * two_n.f;
 }
 
-/* max and sum of x[0..n) in 8 lanes (a plain float reduction does not vectorise: it fixes the order) */
+/* max and sum of x[0..n) in 8 lanes (a plain float reduction does not vectorise: it fixes the order;
+ * the max as a compare and blend of whole vectors: written lane by lane it stayed scalar) */
 static inline float max_of(const float *x, int64_t n) {
-    float lane[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    v8 lanes = splat8(-INFINITY);
     int64_t j = 0;
-    for (; j + 8 <= n; j += 8)
-        for (int l = 0; l < 8; l++) lane[l] = x[j + l] > lane[l] ? x[j + l] : lane[l];
+    for (; j + 8 <= n; j += 8) {
+        const v8 r = load8(x + j);
+        const v8i more = r > lanes;
+        lanes = (v8)((more & (v8i)r) | (~more & (v8i)lanes));
+    }
     float top = -INFINITY;
     for (; j < n; j++) top = x[j] > top ? x[j] : top;
-    for (int l = 0; l < 8; l++) top = lane[l] > top ? lane[l] : top;
+    for (int l = 0; l < 8; l++) top = lanes[l] > top ? lanes[l] : top;
     return top;
 }
 
 static inline float sum_of(const float *x, int64_t n) {
-    float lane[8] = {0};
+    v8 lanes = splat8(0.0f);
     int64_t j = 0;
-    for (; j + 8 <= n; j += 8)
-        for (int l = 0; l < 8; l++) lane[l] += x[j + l];
+    for (; j + 8 <= n; j += 8) lanes += load8(x + j);
     float total = 0.0f;
     for (; j < n; j++) total += x[j];
-    for (int l = 0; l < 8; l++) total += lane[l];
+    for (int l = 0; l < 8; l++) total += lanes[l];
     return total;
 }
-
 
 /* The products of two queries (or d_outs) at once: each block of an expert's buffers is read
  * from the cache once for both, with 32 floats of each result in registers (8 AVX2 registers).

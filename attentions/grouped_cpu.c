@@ -111,35 +111,48 @@ static float softmax_exps(float *logits, int64_t n, float *total) {
     return top;
 }
 
-/* Pairs i0, i1 (equal for an odd last pair): out [D] and lse each; their softmax rows into
- * saved0, saved1 [n] when the caller keeps them (else NULL). buf: 2 D + 2 n floats (run_work
- * passes its p, ds and qs buffers, contiguous: 2 CHUNK n + CHUNK D floats). */
-static void forward_two(const Grouped *a, int64_t i0, int64_t i1, int64_t n, const float *kt, const float *vr,
-                        const float *bias, float *buf, float *saved0, float *saved1) {
+/* Up to CHUNK pairs of one expert at a time. Forward: their softmax rows and scaled queries stay in
+ * the cache while the products run phase by phase (all the logits against kt, then the softmaxes,
+ * then all the mixes of vr), so that each phase has one [n][D] block in L1, not both (at 16K, 14%
+ * faster than two pairs through all three steps). Backward: their p, d_logits, scaled queries and
+ * output gradients stay in the cache for the expert's rank-C updates (there, phase by phase was 5-8%
+ * slower than two pairs at a time: a pair's p is used right after it is made). */
+#define CHUNK 32
+
+/* Pairs order[t0 .. t0 + rows) of one expert: out [D] and lse each; their softmax rows into
+ * probs (in sorted pair order) when the caller keeps them. p: CHUNK n floats, qs: CHUNK D. */
+static void forward_chunk(const Grouped *a, int64_t t0, int64_t rows, int64_t n, const float *kt, const float *vr,
+                          const float *bias, float *p, float *qs) {
     const int64_t D = a->D;
-    const int64_t pair[2] = {i0, i1};
-    float *qs[2] = {buf, buf + D}, *lg[2] = {buf + 2 * D, buf + 2 * D + n}, *saved[2] = {saved0, saved1};
-    for (int c = 0; c < 2; c++)
-        for (int64_t d = 0; d < D; d++) qs[c][d] = a->q[pair[c] * D + d] * a->scale;
-    dots2(qs[0], qs[1], kt, bias, n, D, lg[0], lg[1]);
-    float top[2], total[2] = {1.0f, 1.0f};
-    for (int c = 0; c < 2; c++) top[c] = softmax_exps(lg[c], n, &total[c]);
-    mix2(lg[0], lg[1], vr, n, D, a->out + i0 * D, a->out + i1 * D, 0);
-    /* (an odd last pair is scaled once) */
-    for (int c = 0; c < (i1 == i0 ? 1 : 2); c++) {
+    const int64_t *pair = a->order + t0;
+    float top[CHUNK], total[CHUNK];
+    for (int64_t c = 0; c < rows; c++)
+        for (int64_t d = 0; d < D; d++) qs[c * D + d] = a->q[pair[c] * D + d] * a->scale;
+    /* an odd last row goes through as both halves */
+    for (int64_t c = 0; c < rows; c += 2) {
+        const int64_t c1 = c + 1 < rows ? c + 1 : c;
+        dots2(qs + c * D, qs + c1 * D, kt, bias, n, D, p + c * n, p + c1 * n);
+    }
+    for (int64_t c = 0; c < rows; c++) {
+        total[c] = 1.0f;
+        top[c] = softmax_exps(p + c * n, n, &total[c]);
+    }
+    for (int64_t c = 0; c < rows; c += 2) {
+        const int64_t c1 = c + 1 < rows ? c + 1 : c;
+        mix2(p + c * n, p + c1 * n, vr, n, D, a->out + pair[c] * D, a->out + pair[c1] * D, 0);
+    }
+    for (int64_t c = 0; c < rows; c++) {
         float *out = a->out + pair[c] * D;
         const int masked = top[c] == -INFINITY;
         const float inv = masked ? 0.0f : 1.0f / total[c];
         for (int64_t d = 0; d < D; d++) out[d] = masked ? 0.0f : out[d] * inv;
         a->lse[pair[c]] = masked ? -INFINITY : top[c] + logf(total[c]);
-        if (saved[c])
-            for (int64_t j = 0; j < n; j++) saved[c][j] = masked ? 0.0f : lg[c][j] * inv;
+        if (a->probs) {
+            float *saved = a->probs + (t0 + c) * n;
+            for (int64_t j = 0; j < n; j++) saved[j] = masked ? 0.0f : p[c * n + j] * inv;
+        }
     }
 }
-
-/* Up to CHUNK pairs of one expert at a time in the backward: their softmax rows p, d_logits and
- * scaled queries and output gradients stay in the L1/L2 cache for the expert's rank-C updates */
-#define CHUNK 32
 
 /* Rows c0, c1 of the chunk (pairs i0, i1; equal for an odd last pair): p and d_logits [n], scaled q
  * and d_out [D] each; dq written. A pair whose keys are all masked (lse -inf) gets zero rows and dq 0. */
@@ -222,11 +235,8 @@ static void *run_work(void *arg) {
         if (begin == end) continue;
         load_expert(a, x, &group_loaded, row_of, kt, w->backward ? vt : NULL, w->backward ? kr : NULL, vr, bias);
         if (!w->backward) {
-            for (int64_t t = begin; t < end; t += 2) {
-                const int64_t u = t + 1 < end ? t + 1 : t;
-                forward_two(a, a->order[t], a->order[u], n, kt, vr, bias, p, a->probs ? a->probs + t * n : NULL,
-                            a->probs ? a->probs + u * n : NULL);
-            }
+            for (int64_t t0 = begin; t0 < end; t0 += CHUNK)
+                forward_chunk(a, t0, end - t0 < CHUNK ? end - t0 : CHUNK, n, kt, vr, bias, p, qs);
             continue;
         }
         memset(dk, 0, sizeof(float) * n * D);

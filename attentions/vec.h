@@ -4,7 +4,11 @@
 #ifndef LRA_VEC_H
 #define LRA_VEC_H
 
+#include <stdint.h>
+
 typedef float v8 __attribute__((vector_size(32)));
+/* lane masks of comparisons between v8s (all bits set where true) */
+typedef int32_t v8i __attribute__((vector_size(32)));
 /* the same, at any float alignment: loads and stores of table rows */
 typedef float v8u __attribute__((vector_size(32), aligned(4)));
 

@@ -17,6 +17,7 @@ from attentions import build_attention
 
 from .config import ModelConfig
 from .dropout import Dropout
+from .heads import split_heads
 
 
 class Block(nn.Module):
@@ -43,8 +44,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         b, n, c = x.shape
-        # [B, N, 3, H, D] -> 3 x [B, H, N, D]
-        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = split_heads(self.qkv(self.norm1(x)), self.heads)  # 3 x [B, H, N, D], contiguous
         mixed = self.attn(q, k, v, mask=mask)  # [B, H, N, D]
         x = x + self.drop(self.proj(mixed.transpose(1, 2).reshape(b, n, c)))
         return x + self.ffn(self.norm2(x))

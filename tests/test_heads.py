@@ -28,7 +28,7 @@ def test_split_heads_gradient_when_some_parts_unused():
     torch.manual_seed(0)
     qkv = torch.randn(2, 3, 3 * 2 * 4, requires_grad=True)
     q, k, v = split_heads(qkv, 2)
-    (v * 2).sum().backward()  # q and k get no gradient (None in the backward)
+    (v * 2).sum().backward()  # q and k get no gradient
     want = torch.zeros(2, 3, 3, 2, 4)
     want[:, :, 2] = 2.0
     assert torch.equal(qkv.grad, want.view(2, 3, 24))

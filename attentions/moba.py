@@ -45,6 +45,12 @@ class MoBAConfig:
     kernel: str = "auto"
 
 
+def pad_tokens(x: torch.Tensor, pad: int) -> torch.Tensor:
+    """x [B, H, N, D] with ``pad`` zero rows after the last token (x itself when pad is 0: F.pad
+    copies even then)."""
+    return F.pad(x, (0, 0, 0, pad)) if pad else x
+
+
 def choose_blocks(
     q: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor], block_size: int, topk: int, include_own: bool,
     native: bool = False,
@@ -60,8 +66,7 @@ def choose_blocks(
     per_query = min(topk, blocks)
     real = F.pad(real_key_mask(mask, q), (0, pad)).to(k.dtype).view(b, 1, blocks, block_size)
     with torch.no_grad():
-        padded = F.pad(k, (0, 0, 0, pad)) if pad else k
-        sums = (padded.reshape(b, h, blocks, block_size, d) * real[..., None]).sum(-2)
+        sums = (pad_tokens(k, pad).reshape(b, h, blocks, block_size, d) * real[..., None]).sum(-2)
         counts = real.sum(-1)  # [B, 1, blocks]
         means = sums / counts.clamp(min=1)[..., None]  # [B, H, blocks, D]: mean over real keys
         if native and gate_kernel_fits(q, per_query):
@@ -171,9 +176,8 @@ class MoBAAttention(Attention):
         expert = heads * blocks + chosen.view(b * h, n, per_query)  # [B*H, N, topk']
         expert = torch.where(chosen_ok.view(b * h, n, per_query), expert, b * h * blocks)
         expert = expert.permute(2, 0, 1)  # [topk', B*H, N]
-        # (F.pad copies even when pad is 0; reshape of a contiguous tensor does not)
-        block_k = (F.pad(k, (0, 0, 0, pad)) if pad else k).reshape(b * h * blocks, size, d)
-        block_v = (F.pad(v, (0, 0, 0, pad)) if pad else v).reshape(b * h * blocks, size, d)
+        block_k = pad_tokens(k, pad).reshape(b * h * blocks, size, d)
+        block_v = pad_tokens(v, pad).reshape(b * h * blocks, size, d)
         block_ok = None
         if mask is not None or pad:
             real = F.pad(real_key_mask(mask, q), (0, pad)).view(b, 1, blocks, size).expand(b, h, blocks, size)

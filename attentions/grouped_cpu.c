@@ -70,16 +70,8 @@ static void load_keys(const Grouped *a, int64_t n, int64_t first, int64_t count,
         for (int64_t i = 0; i < c; i++) {
             const int64_t s = s0 + i, j = first + s;
             krow[i] = keys + row_of[s] * D, vrow[i] = values + row_of[s] * D;
-            /* rows of a few vectors: copied inline (a memcpy call per row cost 1/8 of the forward) */
-            float *vj = vr + j * D;
-            int64_t d = 0;
-            for (; d + 8 <= D; d += 8) store8(vj + d, load8(vrow[i] + d));
-            for (; d < D; d++) vj[d] = vrow[i][d];
-            if (kr) {
-                float *kj = kr + j * D;
-                for (d = 0; d + 8 <= D; d += 8) store8(kj + d, load8(krow[i] + d));
-                for (; d < D; d++) kj[d] = krow[i][d];
-            }
+            copy_row(vr + j * D, vrow[i], D);
+            if (kr) copy_row(kr + j * D, krow[i], D);
             bias[j] = (ok && !ok[s]) ? -INFINITY : 0.0f;
         }
         transpose_rows(krow, c, D, kt + first + s0, n);
@@ -164,7 +156,7 @@ static void backward_two(const Grouped *a, const int64_t pair[2], int64_t n, con
     const int count = pair[1] == pair[0] ? 1 : 2;
     for (int c = 0; c < 2; c++) {
         for (int64_t d = 0; d < D; d++) qs[c][d] = a->q[pair[c] * D + d] * a->scale;
-        memcpy(dout[c], a->dout + pair[c] * D, D * sizeof(float));
+        copy_row(dout[c], a->dout + pair[c] * D, D);
     }
     if (saved[0]) {
         memcpy(p[0], saved[0], n * sizeof(float));
@@ -250,7 +242,8 @@ static void *run_work(void *arg) {
                 float *pc[2], *dsc[2], *qsc[2], *doutc[2];
                 for (int h = 0; h < 2; h++) {
                     if (a->probs) saved[h] = a->probs + (t0 + row[h]) * n;
-                    pc[h] = p + row[h] * n, dsc[h] = ds + row[h] * n, qsc[h] = qs + row[h] * D, doutc[h] = dout + row[h] * D;
+                    pc[h] = p + row[h] * n, dsc[h] = ds + row[h] * n;
+                    qsc[h] = qs + row[h] * D, doutc[h] = dout + row[h] * D;
                 }
                 backward_two(a, pair, n, kt, vt, kr, bias, zeros, saved, pc, dsc, qsc, doutc);
             }
@@ -383,6 +376,6 @@ void take_rows(const float *src, const int64_t *index, float *dst, int64_t rows,
 #pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         if (r + 8 < rows) __builtin_prefetch(src + index[r + 8] * D);
-        memcpy(dst + r * D, src + index[r] * D, D * sizeof(float));
+        copy_row(dst + r * D, src + index[r] * D, D);
     }
 }

@@ -7,10 +7,12 @@
  * which recomputes P from S and lse and, with the gradient dV_s,
  *     dS = P * (dV_s V^T - delta),  delta_i = dV_s[i] . V_s[i],
  *     dL = dS K,  dK = dS^T L,  dV = P^T dV_s.
- * One pass over the keys in blocks of BLOCK: a block's keys (transposed) and values stay in the L1
- * cache while every landmark uses them, and no [m, N] temporary beyond S is made (the PyTorch path
- * makes four: scores, mask, softmax, its gradient). A landmark whose keys are all masked gets
- * lse -inf, shared values 0 and zero gradients.
+ * One pass over the keys in blocks of BLOCK, forward and backward: a block's keys (transposed) and
+ * values stay in the L1 cache while every landmark uses them, and no [m, N] temporary beyond S is
+ * made (the PyTorch path makes four: scores, mask, softmax, its gradient). The forward's softmax is
+ * online (a running max per landmark, its shared values rescaled when the max grows), so S is
+ * written once and not read back until the top-k selection. A landmark whose keys are all masked
+ * gets lse -inf, shared values 0 and zero gradients.
  *
  * route_best: each query's best landmark, argmax_j q . L_j + bias_j (bias 0 or -inf for a missing
  * landmark; the first of equal values, as torch.argmax), -1 when every landmark is missing.
@@ -63,50 +65,53 @@ static void exps(const float *s, int64_t nb, float shift, float *p) {
     for (int64_t j = 0; j < nb; j++) p[j] = exp_nonpos(s[j] - shift);
 }
 
-/* Head g forward; buf: D BLOCK + 3 BLOCK + m floats. */
+/* Head g forward; buf: D BLOCK + 2 BLOCK + 2 m floats. */
 static void forward_head(const Landmarks *a, int64_t g, float *buf) {
     const int64_t m = a->m, N = a->N, D = a->D;
     const float *L = a->marks + g * m * D, *K = a->keys + g * N * D, *V = a->values + g * N * D;
     const uint8_t *ok = a->key_ok ? a->key_ok + (g / a->heads) * N : NULL;
     float *S = a->scores + g * m * N, *lse = a->lse + g * m, *out = a->shared + g * m * D;
-    float *kt = buf, *bias = kt + D * BLOCK, *p = bias + BLOCK, *total = p + 2 * BLOCK;
-    /* the scores, a block of keys at a time (transposed, in L1), two landmarks at a time (an odd
-     * last one as both); each landmark's max, the softmax's shift, kept in lse as they come */
-    for (int64_t i = 0; i < m; i++) lse[i] = -INFINITY;
+    /* p: the block's key bias (0 or -inf) while the scores are made, then two landmarks' exps */
+    float *kt = buf, *p = kt + D * BLOCK, *top = p + 2 * BLOCK, *total = top + m;
+    /* one pass over the keys, a block at a time, with an online softmax: each landmark's running
+     * max (the softmax's shift) and its exps' total, its shared values rescaled when the max grows.
+     * Per block two phases, each with one [BLOCK][D] block in L1: the scores of every landmark
+     * against the transposed keys (two landmarks at a time, an odd last one as both), written to S;
+     * then their exps and the values mixed by them, while the block's scores are still in cache
+     * (S is read back by the top-k selection and the backward, not by this pass) */
+    for (int64_t i = 0; i < m; i++) top[i] = -INFINITY, total[i] = 0.0f;
+    memset(out, 0, m * D * sizeof(float));
     for (int64_t j0 = 0; j0 < N; j0 += BLOCK) {
         const int64_t nb = N - j0 < BLOCK ? N - j0 : BLOCK;
         transpose_block(K + j0 * D, nb, D, kt);
-        key_bias(ok, j0, nb, bias);
+        key_bias(ok, j0, nb, p);
         for (int64_t i = 0; i < m; i += 2) {
             const int64_t i1 = i + 1 < m ? i + 1 : i;
-            dots2(L + i * D, L + i1 * D, kt, bias, nb, D, S + i * N + j0, S + i1 * N + j0);
-            const float top0 = max_of(S + i * N + j0, nb), top1 = max_of(S + i1 * N + j0, nb);
-            if (top0 > lse[i]) lse[i] = top0;
-            if (top1 > lse[i1]) lse[i1] = top1;
+            dots2(L + i * D, L + i1 * D, kt, p, nb, D, S + i * N + j0, S + i1 * N + j0);
         }
-    }
-    /* the values mixed by e^(S - shift), a block of values at a time, every landmark using it while
-     * it is in L1 (landmarks outside, blocks inside, streamed all N values once per landmark pair:
-     * at N = 64K that was memory-bound) */
-    memset(out, 0, m * D * sizeof(float));
-    memset(total, 0, m * sizeof(float));
-    for (int64_t j0 = 0; j0 < N; j0 += BLOCK) {
-        const int64_t nb = N - j0 < BLOCK ? N - j0 : BLOCK;
         for (int64_t i = 0; i < m; i += 2) {
             const int64_t i1 = i + 1 < m ? i + 1 : i;
             float *p0 = p, *p1 = p + (i1 == i ? 0 : BLOCK);
-            exps(S + i * N + j0, nb, lse[i], p0);
-            exps(S + i1 * N + j0, nb, lse[i1], p1);
-            total[i] += sum_of(p0, nb);
-            if (i1 != i) total[i1] += sum_of(p1, nb);
+            for (int c = 0; c < (i1 == i ? 1 : 2); c++) {
+                const int64_t r = c ? i1 : i;
+                const float most = max_of(S + r * N + j0, nb);
+                if (most > top[r]) {
+                    /* e^(old - new): 0 while every key so far was masked (top -inf, out and total 0) */
+                    const float shrink = top[r] == -INFINITY ? 0.0f : exp_nonpos(top[r] - most);
+                    for (int64_t d = 0; d < D; d++) out[r * D + d] *= shrink;
+                    total[r] *= shrink;
+                    top[r] = most;
+                }
+                exps(S + r * N + j0, nb, top[r], c ? p1 : p0);
+                total[r] += sum_of(c ? p1 : p0, nb);
+            }
             mix2(p0, p1, V + j0 * D, nb, D, out + i * D, out + i1 * D, 1);
         }
     }
     for (int64_t r = 0; r < m; r++) {
-        const float top = lse[r];
-        const float inv = top == -INFINITY ? 0.0f : 1.0f / total[r];
+        const float inv = top[r] == -INFINITY ? 0.0f : 1.0f / total[r];
         for (int64_t d = 0; d < D; d++) out[r * D + d] *= inv;
-        lse[r] = top == -INFINITY ? top : top + logf(total[r]);
+        lse[r] = top[r] == -INFINITY ? top[r] : top[r] + logf(total[r]);
     }
 }
 
@@ -208,7 +213,7 @@ static int over_heads(const Job *job, int64_t floats) {
 
 int landmark_forward(const Landmarks *a) {
     const Job job = {a, 0, NULL, NULL, NULL};
-    return over_heads(&job, a->D * BLOCK + 3 * BLOCK + a->m);
+    return over_heads(&job, a->D * BLOCK + 2 * BLOCK + 2 * a->m);
 }
 
 int landmark_backward(const Landmarks *a) {

@@ -1,7 +1,8 @@
 """MiTA's pooling, landmark pass and routing on the C kernel (attentions/landmark_cpu.py) against the
 PyTorch path they replace: landmarks, scores, shared values and the gradients, padding, landmark
-counts that do not fill a pair, lengths that do not fill a key block, a landmark whose keys are all
-masked, the routing's ties and missing landmarks, and the same bits for any thread count."""
+counts that do not fill a pair, lengths that do not fill a key block, a softmax max that moves from
+block to block, a landmark whose keys are all masked, the routing's ties and missing landmarks, and
+the same bits for any thread count."""
 from __future__ import annotations
 
 import math
@@ -54,6 +55,28 @@ def test_landmark_pass_matches_torch(b, h, m, n, d, lengths) -> None:
     if mask is not None:
         # padded keys get no gradient
         assert got[3][~mask[:, None, :, None].expand_as(k)].abs().max() == 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("ramp", ["rising", "falling"])
+def test_the_one_pass_softmax_follows_a_max_that_moves_across_key_blocks(ramp) -> None:
+    # the forward keeps a running max per landmark over blocks of 64 keys: with scores that grow
+    # along the keys the shared values are rescaled at every block; with scores that fall, never
+    gen = torch.Generator().manual_seed(0)
+    n = 1000
+    growth = torch.linspace(0.2, 4.0, n) if ramp == "rising" else torch.linspace(4.0, 0.2, n)
+    marks = (torch.randn(1, 2, 9, 16, generator=gen) / 4).requires_grad_()
+    k = (torch.randn(1, 2, n, 16, generator=gen).abs() * growth[:, None]).requires_grad_()
+    v = torch.randn(1, 2, n, 16, generator=gen).requires_grad_()
+    with torch.no_grad():
+        marks.abs_()  # every score positive: the block maxima move with the ramp
+    weight = torch.randn(1, 2, 9, 16, generator=gen)
+    got = pass_and_grads(landmark_pass, marks, k, v, lengths_mask([900], n), weight)
+    ref = pass_and_grads(torch_pass, marks, k, v, lengths_mask([900], n), weight)
+    for label, g, r in zip(["scores", "shared", "d_marks", "dk", "dv"], got, ref):
+        finite = torch.isfinite(r)
+        assert torch.equal(torch.isfinite(g), finite), f"{label}: -inf in other places"
+        assert rel_err(g[finite], r[finite]) < 1e-5, label
 
 
 @needs_kernel

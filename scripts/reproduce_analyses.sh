@@ -14,7 +14,7 @@
 # What exists is skipped: an analysis whose .md is there, a run with its record.json (an unfinished
 # run resumes). Environment (all optional):
 #   SEEDS="0 1 2"             seeds                                  (default "0 1 2")
-#   RUNS=path                 the trained runs                       (default results/runs)
+#   RUNS=path                 the trained runs    (default results/analyses/runs: the committed analyses' own)
 #   OUT=path                  where the analyses go                  (default results/analyses)
 #   DATA_DIR=path             the data folder                        (default: each run's own data.data_dir)
 #   GRID="attn.landmarks=16,32,64,128 attn.topk=16,32,64,128"        the budget grid (default this)
@@ -26,7 +26,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 seeds="${SEEDS:-0 1 2}"
-runs="${RUNS:-results/runs}"
+runs="${RUNS:-results/analyses/runs}"
 out="${OUT:-results/analyses}"
 grid="${GRID:-attn.landmarks=16,32,64,128 attn.topk=16,32,64,128}"
 steps="${FINETUNE_STEPS:-300}"

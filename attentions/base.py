@@ -152,6 +152,20 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Option
             )
 
 
+# a GPU scores 16x more queries at once than the CPU bounds of MiTA's routing and MoBA's gate
+# (ROUTE_ELEMENTS, GATE_ELEMENTS: 16 MB of float32 scores, sized for a CPU's cache). Each chunk is a
+# few kernel launches: at 64K tokens x batch 32 MiTA's routing took 128 chunks per layer; 16x is
+# 256 MB of scores, little beside a GPU's memory (speed only: results do not depend on it)
+GPU_CHUNK_SCALE = 16
+
+
+def chunk_rows(elements: int, per_row: int, device: torch.device) -> int:
+    """Query rows per chunk of a [B, H, chunk, X] score tensor: ``elements`` scores at a time on the
+    CPU, GPU_CHUNK_SCALE times as many on a GPU; per_row = B x H x X. At least one row."""
+    scale = GPU_CHUNK_SCALE if device.type == "cuda" else 1
+    return max(1, elements * scale // per_row)
+
+
 # (batch x heads x tokens) that one CPU pass of a routing backend works on: past it the batch is
 # split (results do not change: sequences are independent). On a 2-core AMD EPYC (32 MB L3), MiTA
 # fwd+bwd at B=32, H=2, N=4096 took 943 ms in one pass (8x B=8: its temporaries left the cache),

@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs, in_batch_chunks
+from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs, chunk_rows, in_batch_chunks
 from .grouped import gather_rows, merge
 from .grouped_cpu import grouped_attention_cpu, merge_cpu
 from .grouped_triton import check_kernel, kernel_name, pick_grouped
@@ -33,7 +33,8 @@ from .mita_cpu import MiTACPU
 from .registry import register
 from .select import topk_unsorted
 
-# routing scores [B, H, chunk, m] computed at once, in elements (bounds memory, not results)
+# routing scores [B, H, chunk, m] computed at once on the CPU, in elements (bounds memory, not results;
+# a GPU takes more: base.chunk_rows)
 ROUTE_ELEMENTS = 1 << 22
 # the default form on the CPU kernels as one autograd Function (mita_cpu.py); off: the composed
 # path of the same kernels (the tests compare the two)
@@ -156,7 +157,7 @@ def route(
     choice = torch.empty(b, h, n, per_query, dtype=torch.long, device=q.device)
     with torch.no_grad():
         # a chunk of queries at a time: the [B, H, chunk, m] scores stay small
-        chunk = max(1, ROUTE_ELEMENTS // (b * h * m))
+        chunk = chunk_rows(ROUTE_ELEMENTS, b * h * m, q.device)
         for start in range(0, n, chunk):
             rows = slice(start, min(start + chunk, n))
             gate = q[:, :, rows] @ marks.transpose(-1, -2) + missing.view(b, h, 1, m)  # [B, H, chunk, m]

@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs, in_batch_chunks
+from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs, chunk_rows, in_batch_chunks
 from .block_gate import choose_blocks_cpu, fits as gate_kernel_fits
 from .grouped import merge
 from .grouped_cpu import grouped_attention_cpu, merge_cpu
@@ -27,7 +27,8 @@ from .grouped_triton import check_kernel, kernel_name, pick_grouped
 from .masking import real_key_mask
 from .registry import register
 
-# block scores [B, H, chunk, N / block_size] computed at once, in elements (bounds memory, not results)
+# block scores [B, H, chunk, N / block_size] computed at once on the CPU, in elements (bounds memory,
+# not results; a GPU takes more: base.chunk_rows)
 GATE_ELEMENTS = 1 << 22
 
 
@@ -77,9 +78,10 @@ def choose_blocks(
         chosen = torch.empty(b, h, n, per_query, dtype=torch.long, device=q.device)
         chosen_ok = torch.empty(b, h, n, per_query, dtype=torch.bool, device=q.device)
         empty = (counts == 0)[:, :, None, :]  # [B, 1, 1, blocks]
-        any_empty = bool(empty.any())
+        # (on a GPU the fill runs always: the check would wait for the GPU, a fill costs less)
+        any_empty = q.is_cuda or bool(empty.any())
         # a chunk of queries at a time: the [B, H, chunk, blocks] gate stays small
-        chunk = max(1, GATE_ELEMENTS // (b * h * blocks))
+        chunk = chunk_rows(GATE_ELEMENTS, b * h * blocks, q.device)
         for start in range(0, n, chunk):
             rows = slice(start, min(start + chunk, n))
             gate = q[:, :, rows] @ means.transpose(-1, -2)  # [B, H, chunk, blocks]

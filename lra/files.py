@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from datetime import datetime
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Dict, Union
+from typing import Any, Callable, Dict, Optional, Union
+
+from .errors import UserError
 
 
 def package_data(name: str) -> Path:
@@ -48,3 +51,14 @@ def write_atomic(path: Path, data: Union[bytes, Callable[[Any], None]]) -> None:
 def write_json_atomic(path: Path, data: Dict[str, Any]) -> None:
     """``data`` as indented JSON, written atomically."""
     write_atomic(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
+
+
+def output_folder(given: Optional[str], default: str) -> Path:
+    """A command's --out folder, made: ``given``, else ``default``-<date>-<time>; a folder that cannot be
+    made is a UserError."""
+    out = Path(given or f"{default}-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"--out {out}: cannot create the folder ({err.strerror})")
+    return out

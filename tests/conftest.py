@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
 import shutil
+import sys
 import tarfile
 import tomllib
+import types
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +129,15 @@ def copy_listops(listops_data: Path, to: Path) -> Path:
     name, _ = smoke_listops()
     shutil.copytree(listops_data / name, to / name, ignore=shutil.ignore_patterns(".lock"))
     return to
+
+
+def load_script(name: str) -> types.ModuleType:
+    """scripts/<name>.py imported as module ``name`` (registered in sys.modules: dataclasses look it up)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:

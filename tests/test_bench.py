@@ -9,6 +9,7 @@ from typing import Any, Dict, Iterator, List
 import pytest
 import torch
 
+from conftest import load_script
 from lra.bench.cli import main, parse_length
 from lra.bench.estimate import scale_stats
 from lra.bench.flops import attention_flops
@@ -245,11 +246,7 @@ def test_padded_model_workload_masks_rows_of_different_lengths() -> None:
 
 
 def test_step_compare_times_every_backend_on_a_padded_batch() -> None:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("step_compare", Path(__file__).parent.parent / "scripts" / "step_compare.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("step_compare")
     medians = module.compare(["full", "mita", "floor"], n=128, batch=2, rounds=2, seed=0)
     assert set(medians) == {"full", "mita", "floor"} and all(t > 0 for t in medians.values())
     # "floor" swaps every attention for the pass-through

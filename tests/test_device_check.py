@@ -3,7 +3,6 @@ every backend under autocast with float32 inputs, the case that broke the groupe
 and MiTA before its Function ran in one dtype."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,20 +11,13 @@ import torch
 
 from attentions import build_attention, list_attentions
 from attentions.registry import config_fields
+from conftest import load_script
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "device_check.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_every_backend_passes_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     # the Triton rows are left to the next test: under the interpreter they take a minute at this length
-    assert load_script().main(["--device", "cpu", "--length", "128", "--kernels", "torch", "--out", str(tmp_path)]) == 0
+    assert load_script("device_check").main(["--device", "cpu", "--length", "128", "--kernels", "torch", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "check.json").read_text())
     rows = [f"{name}[torch]" if "kernel" in config_fields(name) else name for name in list_attentions()]
     assert [b["backend"] for b in record["backends"]] == rows
@@ -51,7 +43,7 @@ def test_triton_rows_run_under_the_interpreter_and_are_skipped_without_it(
 
     if not interpreting():
         pytest.skip("TRITON_INTERPRET=1 is off (tests/conftest.py sets it unless told 0)")
-    script = load_script()
+    script = load_script("device_check")
     assert script.main(["--device", "cpu", "--attn", "moba", "--length", "64", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "check.json").read_text())
     assert [b["backend"] for b in record["backends"]][:2] == ["moba[torch]", "moba[triton]"]
@@ -65,7 +57,7 @@ def test_triton_rows_run_under_the_interpreter_and_are_skipped_without_it(
 
 
 def test_verdict_fails_a_dense_backend_off_by_one_row() -> None:
-    script = load_script()
+    script = load_script("device_check")
     errs = {"out": torch.tensor([1e-3] * 99 + [0.2])}
     assert script.verdict("full", errs, 5e-2, 2e-2)["status"] == "FAIL"
     assert script.verdict("topk", errs, 5e-2, 2e-2)["status"] == "PASS"
@@ -73,7 +65,7 @@ def test_verdict_fails_a_dense_backend_off_by_one_row() -> None:
 
 
 def test_unknown_backend_is_exit_2(capsys: pytest.CaptureFixture) -> None:
-    assert load_script().main(["--device", "cpu", "--attn", "nope"]) == 2
+    assert load_script("device_check").main(["--device", "cpu", "--attn", "nope"]) == 2
     assert "unknown backend(s) nope; valid:" in capsys.readouterr().err
 
 

@@ -1,9 +1,7 @@
 """scripts/generator_stats.py: statistics of tiny Pathfinder and ListOps fixtures against hand-computed numbers."""
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 from typing import Dict, List
 
@@ -11,12 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "generator_stats.py"
-spec = importlib.util.spec_from_file_location("generator_stats", SCRIPT)
-stats = importlib.util.module_from_spec(spec)
-# dataclasses look the module up by name
-sys.modules[spec.name] = stats
-spec.loader.exec_module(stats)
+from conftest import load_script
+
+stats = load_script("generator_stats")
 
 # 2x2 images and labels; hand-computed below
 IMAGES = [

@@ -10,6 +10,7 @@ import torch
 
 from attentions import AttentionError, build_attention
 from attentions import grouped, mita
+from attentions.base import GPU_CHUNK_SCALE, chunk_rows
 from attentions.check import Battery, Sizes
 from attentions.mita import reference
 from conftest import lengths_mask, rel_err
@@ -37,6 +38,14 @@ def run_and_grads(fn, inputs: List[torch.Tensor], mask: Optional[torch.Tensor], 
 # cases rerun with two tiles per chunk of the fast path's loop, so experts straddle chunk boundaries,
 # and queries routed 16 at a time (B=2, H=2, m=8)
 SMALL_CHUNK_CASES = ["B2-N61-H2-D16-m8-k8-masked", "B2-N50-H2-D16-m8-k8-E2-masked"]
+
+
+def test_a_gpu_scores_more_queries_at_once() -> None:
+    # MiTA's routing and MoBA's gate: CPU chunks of ROUTE_ELEMENTS scores; a GPU's are 16x larger
+    per_row = 32 * 4 * 64  # B x H x m at 64K tokens x batch 32
+    assert chunk_rows(mita.ROUTE_ELEMENTS, per_row, torch.device("cpu")) == 512
+    assert chunk_rows(mita.ROUTE_ELEMENTS, per_row, torch.device("cuda")) == 512 * GPU_CHUNK_SCALE
+    assert chunk_rows(10, per_row, torch.device("cpu")) == 1
 
 
 @pytest.mark.parametrize(

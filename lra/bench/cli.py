@@ -16,7 +16,6 @@ import argparse
 import json
 import re
 import sys
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -33,6 +32,7 @@ from .report import markdown, plot, slopes
 from .sweep import Settings, sweep
 from ..cli import Parser, console
 from ..errors import UserError
+from ..files import output_folder
 
 LENGTH = re.compile(r"^(\d+)([km]?)$")
 DEFAULT_LENGTHS = {"attention": "1k,4k,16k,64k,256k,1m", "model": "64k,256k,1m"}
@@ -217,12 +217,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return rewrite(args.record, not args.no_plot)
     settings = settings_from(args)
     allocator_setting()  # a bad LRA_MALLOC_TUNING says so before the output folder is made
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out or f"results/throughput/{settings.level}-{settings.device}-{stamp}")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"--out {out}: cannot create the folder ({err.strerror})")
+    out = output_folder(args.out, f"results/throughput/{settings.level}-{settings.device}")
     partial = out / "record.json"
 
     def save_partial(record: Dict[str, Any]) -> None:

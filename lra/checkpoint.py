@@ -54,13 +54,17 @@ class TrainState:
     losses: List[float] = field(default_factory=list)
     # the bytes of metrics.jsonl written so far (a resume cuts the log back to them)
     log_bytes: int = 0
+    # the code each process of the run started from (machine.git_commit); a resume on other code adds
+    # one. Added later: checkpoints written before it lack it and resume with it empty
+    commits: List[str] = field(default_factory=list)
 
     def to_dict(self) -> Dict[str, Any]:
         # not dataclasses.asdict: it would deep-copy the best weights
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-STATE_KEYS = tuple(f.name for f in fields(TrainState))
+# the state keys a checkpoint must hold (those added later may be missing)
+STATE_KEYS = tuple(f.name for f in fields(TrainState) if f.name != "commits")
 BUSY = "{folder} is in use by another lra-run (pid {pid}); wait for it to end or stop it, then run the command again"
 
 

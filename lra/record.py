@@ -56,7 +56,8 @@ class Record:
     memory_kind: str
     # trainable parameters
     params: int
-    # where it ran (lra.machine.environment)
+    # where it ran (lra.machine.environment); git_commit: the code the run started from ("A -> B"
+    # when it was resumed on other code; records before 2026-12-02 name the commit when it ended)
     device: str
     device_name: str
     torch: str

@@ -31,7 +31,7 @@ from .augment import augment
 from .checkpoint import TrainState
 from .config import RunConfig, TrainConfig
 from .files import write_json_atomic
-from .machine import environment, load_average, matmul_rate
+from .machine import environment, git_commit, load_average, matmul_rate
 from .record import Record, now
 from .tasks import Split
 from .train_setup import Run, peak_memory_mb, setup, to_device
@@ -47,6 +47,8 @@ def train(cfg: RunConfig, resume: bool = False, quiet: bool = False) -> Dict[str
     The run folder is locked from when it is chosen until the record is written (or the run stops).
     """
     started_at = now()
+    # the code this process runs: read now, since a checkout during the run changes the tree, not the code
+    commit = git_commit()
     if resume:
         # nothing to resume is refused before any data is read or generated (minutes for the paper preset)
         ckpt.choose_run_dir(cfg, resume)
@@ -56,6 +58,8 @@ def train(cfg: RunConfig, resume: bool = False, quiet: bool = False) -> Dict[str
         # 2) restore: claim (and lock) the run folder, continue its checkpoint if it has one
         run.run_dir = claim_run_dir(cfg, resume, run.d, held)
         state = restore_or_start(run, started_at)
+        if not state.commits or state.commits[-1] != commit:
+            state.commits.append(commit)
         # 3) the loop, until the last step, a non-finite loss or a signal
         status, message = loop(run, state, quiet)
         # 4) finish: test the best weights, write the record
@@ -305,7 +309,8 @@ def finish(run: Run, state: TrainState, status: str, message: str) -> Record:
         tokens_per_s=state.tokens / state.train_time if state.train_time else None,
         peak_memory_mb=round(max(mem, state.peak_mb), 1), memory_kind=mem_kind,
         params=sum(p.numel() for p in run.model.parameters() if p.requires_grad),
-        **environment(run.device), world_size=run.d.world_size, precision="bf16" if run.bf16 else "fp32",
+        **{**environment(run.device), "git_commit": " -> ".join(state.commits) or git_commit()},
+        world_size=run.d.world_size, precision="bf16" if run.bf16 else "fp32",
         started_at=state.started_at, finished_at=now(), message=message, load_average=load,
         init_from=None if run.init is None else run.init.record(), matmul_gflops=rate,
     )

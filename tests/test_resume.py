@@ -14,7 +14,11 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
 
+import lra.machine
+import lra.train
+from lra.checkpoint import TrainState, checkpoint_problem
 from lra.cli import call, run as lra_run
 
 # a tiny model on the smoke preset's ListOps set (conftest.listops_data), so a run takes a second
@@ -81,8 +85,8 @@ def test_sigkill_then_resume_gives_the_same_record(workdir: Path, listops_data: 
     assert next(out.glob("*/metrics.jsonl")).read_text() == ref_log
 
 
-def test_sigterm_saves_a_checkpoint_and_resume_flag_continues(workdir: Path, listops_data: Path,
-                                                              run_in: Callable) -> None:
+def test_sigterm_saves_a_checkpoint_and_resume_flag_continues(workdir: Path, listops_data: Path, run_in: Callable,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     out = workdir / "term"
     # long enough that the signal always lands inside the training loop (it is sent within 10 ms of
     # step 3's line; the steps after it take about a second)
@@ -99,14 +103,37 @@ def test_sigterm_saves_a_checkpoint_and_resume_flag_continues(workdir: Path, lis
     _, err = child.communicate(timeout=120)
     assert child.returncode == 130 and "continue with the same command" in err
     assert list(out.glob("*/checkpoint.pt")) and not list(out.glob("*/record.json"))
+    # resumed on other code: the record names both (the first process ran this checkout's)
+    monkeypatch.setattr(lra.train, "git_commit", lambda: "resumed-on")
     proc = run_in(*args, "--resume")
     assert proc.code == 0, proc.err
     resumed = record(out)
     assert resumed["status"] == "completed" and resumed["steps"] == steps
+    assert resumed["git_commit"] == f"{lra.machine.git_commit()} -> resumed-on"
     lines = [json.loads(line) for line in next(out.glob("*/metrics.jsonl")).read_text().splitlines()]
     # one loss line per step: the steps after the checkpoint were dropped and logged again
     losses_at = [m["step"] for m in lines if "loss" in m]
     assert losses_at == list(range(1, steps + 1))
+
+
+def test_the_record_names_the_code_the_run_started_from(workdir: Path, run_in: Callable,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # a checkout during the run changes the tree, not the code that runs: the record names the start's
+    monkeypatch.setattr(lra.train, "git_commit", lambda: "started-on")
+    monkeypatch.setattr(lra.machine, "git_commit", lambda: "checked-out-later")
+    proc = run_in(*TINY, "--out", workdir / "commit")
+    assert proc.code == 0, proc.err
+    assert record(workdir / "commit")["git_commit"] == "started-on"
+
+
+def test_a_checkpoint_written_before_the_commits_field_still_resumes() -> None:
+    state = TrainState(started_at="2026-12-01T00:00:00+00:00", step=5).to_dict()
+    del state["commits"]
+    saved = {"model": {}, "optimizer": {}, "state": state, "rng_cpu": [torch.get_rng_state()], "rng_cuda": None}
+    assert checkpoint_problem(saved) == ""
+    assert TrainState(**state).commits == []
+    del state["step"]
+    assert "lacks state step" in checkpoint_problem(saved)
 
 
 def test_a_finished_run_is_never_overwritten(workdir: Path, run_in: Callable) -> None:

@@ -2,7 +2,7 @@
 
 Only completed runs are drawn; a diverged (backend, task) has no bar and no point. Both plots carry
 the majority-class accuracy of each task, the bar plot the published full-attention numbers beside
-it; error bars appear only where a bar has several seeds; legends sit outside the axes.
+it; error bars appear only where a bar or point has several seeds; legends sit outside the axes.
 """
 from __future__ import annotations
 
@@ -156,22 +156,32 @@ def duration_label(seconds: float, _pos: Any = None) -> str:
 
 def accuracy_vs_time(series: Series, path: Path) -> Path:
     """One labelled point per (backend, task): mean training time (log x) against mean test accuracy,
-    with each task's majority class as a dashed line. Axes span at least a factor of 10 in time and
-    10 points in accuracy, so close runs are not stretched over the whole plot."""
+    with each task's majority class as a dashed line. A point of several seeds carries their spread:
+    the sample std of the accuracy (as the accuracy table's ±) and the range of the train times. Axes
+    span at least a factor of 10 in time and 10 points in accuracy, so close runs are not stretched
+    over the whole plot."""
     markers = dict(zip(TASK_ORDER, "osD^vP"))
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     times: List[float] = []
     accs: List[float] = []
     points: List[Tuple[str, str, float, float]] = []  # label, colour, time, accuracy
+    several = False
     for i, (label, per_task) in enumerate(series.items()):
         color = f"C{i % 10}"
         for task, records in per_task.items():
-            time = statistics.fmean(r["train_time_s"] for r in records)
-            acc = statistics.fmean(100.0 * r["test_acc"] for r in records)
+            seed_times = [r["train_time_s"] for r in records]
+            seed_accs = [100.0 * r["test_acc"] for r in records]
+            time, acc = statistics.fmean(seed_times), statistics.fmean(seed_accs)
             ax.scatter(time, acc, color=color, marker=markers.get(task, "x"), s=40, zorder=3)
             points.append((label, color, time, acc))
-            times.append(time)
+            times += [min(seed_times), max(seed_times)]
             accs.append(acc)
+            if len(records) > 1:
+                several = True
+                std = statistics.stdev(seed_accs)
+                ax.errorbar(time, acc, yerr=std, xerr=[[time - min(seed_times)], [max(seed_times) - time]],
+                            fmt="none", ecolor=color, alpha=0.6, capsize=2, linewidth=1, zorder=2)
+                accs += [acc - std, acc + std]
         ax.scatter([], [], color=color, marker="o", label=label)
     tasks = task_order(series)
     for task in tasks:
@@ -198,7 +208,8 @@ def accuracy_vs_time(series: Series, path: Path) -> Path:
     label_points(ax, points)
     ax.set_xlabel("training time (wall-clock of the training steps, log scale)")
     ax.set_ylabel("test accuracy (%)")
-    ax.set_title(f"Test accuracy against training time ({presets_text(series)})", fontsize=10)
+    bars = "\nbars: std of the accuracy and range of the time over seeds" if several else ""
+    ax.set_title(f"Test accuracy against training time ({presets_text(series)}){bars}", fontsize=10)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(alpha=0.3)
     return save(fig, path)

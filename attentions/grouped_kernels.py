@@ -6,7 +6,8 @@ expert. Expert x reads keys[x] [S, D] and, with a shared table, shared_keys[x //
 placed before them; both are read by index from the tables, a block of BLOCK_K keys at a time.
 
 Every program writes its own rows only: the forward and dq kernels the rows of their work item's
-pairs, the dK/dV kernel one block of one expert's keys (a shared block is written per expert, and
+pairs (the dq kernel also their backward offsets, which the dK/dV kernel, launched after it, reads),
+the dK/dV kernel one block of one expert's keys (a shared block is written per expert, and
 grouped_triton.py sums the group's partials). No atomics are used, so results are deterministic.
 """
 import triton
@@ -118,14 +119,16 @@ def _dq_block(q, d_out, lse, offset, dq, keys_ptr, values_ptr, ok_ptr, row, firs
 
 @triton.jit
 def grouped_backward_dq(
-    q_ptr, d_out_ptr, lse_ptr, offset_ptr, order_ptr, item_expert_ptr, item_first_ptr, item_rows_ptr,
-    keys_ptr, values_ptr, key_ok_ptr, shared_keys_ptr, shared_values_ptr, shared_ok_ptr,
+    q_ptr, d_out_ptr, out_ptr, d_lse_ptr, lse_ptr, offset_ptr, order_ptr, item_expert_ptr, item_first_ptr,
+    item_rows_ptr, keys_ptr, values_ptr, key_ok_ptr, shared_keys_ptr, shared_values_ptr, shared_ok_ptr,
     dq_ptr,
     S, M, group, scale,
     D: tl.constexpr, HAS_KEY_OK: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_SHARED_OK: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
+    HAS_DLSE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT: tl.constexpr,
 ):
-    """One work item: dq [rows, D] of its pairs, the softmax recomputed from the saved lse."""
+    """One work item: dq [rows, D] of its pairs, the softmax recomputed from the saved lse; and each
+    pair's offset = d_lse - d_out . out (float32), written for the dK/dV kernel that runs next."""
     item = tl.program_id(0)
     rows = tl.load(item_rows_ptr + item)
     if rows == 0:
@@ -140,7 +143,11 @@ def grouped_backward_dq(
     lse = tl.load(lse_ptr + pair, mask=r < rows, other=float("inf"))  # [BLOCK_Q]
     # lse -inf (no real key) -> +inf, so that every p = exp(s - lse) is 0 rather than nan
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
-    offset = tl.load(offset_ptr + pair, mask=r < rows, other=0.0)  # [BLOCK_Q] d_lse - d_out . out
+    out = tl.load(out_ptr + pair[:, None] * D + d[None, :], mask=io_mask, other=0.0)
+    offset = -tl.sum(d_out.to(tl.float32) * out.to(tl.float32), 1)  # [BLOCK_Q] d_lse - d_out . out
+    if HAS_DLSE:
+        offset += tl.load(d_lse_ptr + pair, mask=r < rows, other=0.0).to(tl.float32)
+    tl.store(offset_ptr + pair, offset, mask=r < rows)
     dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
     if HAS_SHARED:
         for first in range(0, M, BLOCK_K):

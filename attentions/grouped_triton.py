@@ -189,14 +189,15 @@ class GroupedAttentionTriton(torch.autograd.Function):
         g, m = (0, 0) if shared_keys is None else shared_keys.shape[:2]
         tables = _tables(keys, values, shared_keys, shared_values, key_ok, shared_ok)
         d_out = d_out.to(q.dtype).contiguous()
-        # d_logits = p * (d_out . v + offset), offset = d_lse - d_out . out  [P]
-        offset = (d_out.float() * out.float()).sum(-1).neg_()
-        if ctx.with_lse and d_lse is not None:
-            offset += d_lse.float()
+        # d_logits = p * (d_out . v + offset), offset = d_lse - d_out . out [P] float32, computed and
+        # written by the dq kernel for the pairs it owns (a pair with no expert is read by no kernel)
+        has_d_lse = ctx.with_lse and d_lse is not None
+        d_lse = d_lse.contiguous() if has_d_lse else lse
+        offset = torch.empty(q.shape[:1], dtype=torch.float32, device=q.device)
         dq = torch.zeros_like(q)  # [P, D]; a pair with no expert keeps 0
         k.grouped_backward_dq[(layout.item_rows.numel(),)](
-            q, d_out, lse, offset, layout.order, layout.item_expert, layout.item_first, layout.item_rows, *tables,
-            dq, s, m, group, ctx.scale, HAS_SHARED=shared_keys is not None, **meta,
+            q, d_out, out, d_lse, lse, offset, layout.order, layout.item_expert, layout.item_first, layout.item_rows,
+            *tables, dq, s, m, group, ctx.scale, HAS_SHARED=shared_keys is not None, HAS_DLSE=has_d_lse, **meta,
         )
         # each (expert, key block) program writes its own block of d_keys, d_values: no zeros, no atomics;
         # the shared tables' gradients per expert [X, M, D] in float32, summed over each group below

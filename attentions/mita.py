@@ -103,9 +103,11 @@ def landmark_scores(
     """Step 1 and the scores of step 2: landmarks [B, H, m, D], real landmarks [B, m] and each
     landmark's scaled key scores [B, H, m, N] (padded keys -inf)."""
     marks, real_marks = pool_real(q, mask, landmarks)
-    # k transposed into a contiguous [B, H, D, N] copy: a matmul against a transposed view is ~5x
-    # slower on the CPU, and the backward's d k comes back through the copy
-    scores = (marks / math.sqrt(q.shape[-1])) @ k.transpose(-1, -2).contiguous()  # [B, H, m, N]
+    # on the CPU k transposed into a contiguous [B, H, D, N] copy: a matmul against a transposed view
+    # is ~5x slower there, and the backward's d k comes back through the copy; a GPU's matmul reads
+    # the view as it is
+    k_t = k.transpose(-1, -2) if k.is_cuda else k.transpose(-1, -2).contiguous()  # [B, H, D, N]
+    scores = (marks / math.sqrt(q.shape[-1])) @ k_t  # [B, H, m, N]
     if mask is not None:
         scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
     return marks, real_marks, scores
@@ -137,13 +139,15 @@ def build_experts(
 
 
 def route(
-    q: torch.Tensor, marks: torch.Tensor, real_marks: torch.Tensor, per_query: int, native: bool = False
+    q: torch.Tensor, marks: torch.Tensor, real_marks: torch.Tensor, per_query: int, native: bool = False,
+    all_real: bool = False,
 ) -> torch.Tensor:
     """Step 4: each query's E best real landmarks, as expert numbers over (batch, head, landmark).
 
     q: [B, H, N, D], marks: [B, H, m, D], real_marks: [B*H, m] -> [B*H, N, E]; a choice that falls
     on a missing landmark (a sequence shorter than E) becomes B*H*m, meaning no expert.
     native: one expert per query from the C kernel (landmark_cpu.route_best) where it takes the inputs.
+    all_real: the caller knows every landmark is real (no mask, N >= m): no masking of the scores.
     """
     b, h, n, d = q.shape
     m = marks.shape[2]
@@ -151,7 +155,9 @@ def route(
     if native and per_query == 1 and landmark_kernel_fits(q):
         best = route_best(q.reshape(b * h, n, d), marks.reshape(b * h, m, d), real_marks)[..., None]  # [B*H, N, 1]
         return torch.where(best >= 0, best + heads, b * h * m)
-    missing = torch.zeros(real_marks.shape, dtype=q.dtype, device=q.device).masked_fill(~real_marks, float("-inf"))
+    missing = None
+    if not all_real:
+        missing = torch.zeros(real_marks.shape, dtype=q.dtype, device=q.device).masked_fill(~real_marks, float("-inf"))
     # the result is made whole before the loop (as in MoBA's gate): small per-chunk results kept
     # between score-sized temporaries fragment the heap
     choice = torch.empty(b, h, n, per_query, dtype=torch.long, device=q.device)
@@ -160,7 +166,9 @@ def route(
         chunk = chunk_rows(ROUTE_ELEMENTS, b * h * m, q.device)
         for start in range(0, n, chunk):
             rows = slice(start, min(start + chunk, n))
-            gate = q[:, :, rows] @ marks.transpose(-1, -2) + missing.view(b, h, 1, m)  # [B, H, chunk, m]
+            gate = q[:, :, rows] @ marks.transpose(-1, -2)  # [B, H, chunk, m]
+            if missing is not None:
+                gate += missing.view(b, h, 1, m)
             if per_query == 1:
                 choice[:, :, rows] = gate.argmax(dim=-1, keepdim=True)
             else:
@@ -168,6 +176,8 @@ def route(
             del gate
     choice = choice.view(b * h, n, per_query)
     expert = choice + heads
+    if all_real:
+        return expert
     real = real_marks.gather(1, choice.flatten(1)).view_as(choice)
     return torch.where(real, expert, b * h * m)
 
@@ -261,7 +271,7 @@ class MiTAAttention(Attention):
             return MiTACPU.apply(q, k, v, mask, m, keys, top_keys)
         marks, real_marks, index, key_ok, shared_values = build_experts(q, k, v, mask, m, keys, native)
         real_marks = real_marks.repeat_interleave(h, dim=0)  # [B*H, m]
-        expert = route(q, marks, real_marks, per_query, native)  # [B*H, N, E]
+        expert = route(q, marks, real_marks, per_query, native, all_real=mask is None and n >= m)  # [B*H, N, E]
         # step 5: routed experts [B*H*m, keys, D] read once from k and v; queries grouped by expert
         heads = torch.arange(b * h, device=q.device)[:, None]  # [B*H, 1]
         rows = (index.view(b * h, m * keys) + heads * n).view(b * h * m, keys)

@@ -74,7 +74,7 @@ def compile_kernels(dtype: str, head_dim: int, keys: int = 64, block_q: int = 64
     module = kernels()
     meta = launch_meta(head_dim, keys, keys, block_q)
     num_warps = meta.pop("num_warps")
-    flags = dict(HAS_KEY_OK=True, HAS_SHARED=True, HAS_SHARED_OK=True)
+    flags = dict(HAS_KEY_OK=True, HAS_SHARED=True, HAS_SHARED_OK=True, HAS_DLSE=True)
     rows = []
     for name in KERNEL_NAMES:
         fn = getattr(module, name)

@@ -40,6 +40,7 @@ def environment(device: torch.device) -> Dict[str, Any]:
         "python": platform.python_version(),
         "git_commit": git_commit(),
         "hostname": socket.gethostname(),
+        "boot_id": boot_id(),
         "allocator": allocator.describe(),
     }
 
@@ -54,6 +55,15 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def boot_id() -> Optional[str]:
+    """This boot of this machine (Linux's random boot id): runs that share it ran on one machine, even
+    where hostnames repeat across machines ("vm"); None where the kernel has none."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
 
 
 def meminfo_gb(field: str) -> Optional[float]:

@@ -84,6 +84,9 @@ class Record:
     matmul_gflops: Optional[float] = None
     # the C allocator's setting during training (lra/allocator.py); added later, older records lack it
     allocator: Optional[str] = None
+    # the machine's boot (lra.machine.boot_id) when training ended: equal ids, one machine in one boot;
+    # added later, older records lack it
+    boot_id: Optional[str] = None
     schema: int = SCHEMA_VERSION
 
     def to_dict(self) -> Dict[str, Any]:

@@ -17,6 +17,7 @@ import pytest
 from attentions import list_attentions
 from conftest import console_scripts, copy_listops, smoke_listops
 from lra.cli import data as lra_data, guarded, run as lra_run
+from lra.machine import boot_id
 from lra.record import validate_record
 
 
@@ -42,6 +43,8 @@ def test_smoke_run_writes_a_valid_record(tmp_path: Path, cli, monkeypatch: pytes
     record = json.loads(records[0].read_text())
     validate_record(record)
     assert len(record["load_average"]) == 3 and record["matmul_gflops"] > 0
+    # the machine's boot: Linux has one (the efficiency table compares runs of one boot)
+    assert record["boot_id"] == boot_id() and (boot_id() is not None or not Path("/proc/sys/kernel").exists())
     assert record["status"] == "completed" and record["steps"] == 4
     assert 0.0 <= record["test_acc"] <= 1.0 and 0.0 < record["majority_acc"] <= 1.0
     assert record["config"]["train"]["steps"] == 4 and record["task"] == "listops"

@@ -333,6 +333,15 @@ def test_efficiency_table_carries_each_runs_load_average(tmp_path: Path) -> None
 
     mixed = efficiency("mixed")
     assert dict(zip(row(mixed, "Task", "Model"), row(mixed, "ListOps", "mita")))["vs full"] == "—"
+    # stamps 2x apart on one machine in one boot (two runs sharing its cores): the ratio is shown
+    for record in loaded + mita:
+        record["boot_id"] = "boot-a"
+    one_boot = efficiency("one-boot")
+    assert dict(zip(row(one_boot, "Task", "Model"), row(one_boot, "ListOps", "mita")))["vs full"] == f"{50 / 175:.2f}×"
+    # another boot among them (or a record without the field): the stamps decide again
+    mita[1]["boot_id"] = "boot-b"
+    two_boots = efficiency("two-boots")
+    assert dict(zip(row(two_boots, "Task", "Model"), row(two_boots, "ListOps", "mita")))["vs full"] == "—"
     mita[1]["matmul_gflops"] = 61.0
     alike = efficiency("alike")
     assert dict(zip(row(alike, "Task", "Model"), row(alike, "ListOps", "mita")))["vs full"] == f"{50 / 175:.2f}×"

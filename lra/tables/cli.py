@@ -259,9 +259,13 @@ def efficiency_row(task: str, preset: str, attn: str, rs: List[Dict[str, Any]], 
 
 
 def same_speed(rs: List[Dict[str, Any]], tolerance: float = 1.2) -> bool:
-    """False when the runs' machine-speed stamps (matmul_gflops) differ by more than ``tolerance``x:
-    their train times then measure the machines as much as the backends. Runs without a stamp
-    (records older than the field) cannot be checked and pass."""
+    """Whether the runs' train times compare: all from one machine in one boot (one boot_id; their
+    stamps then differ by load, which the table shows), or machine-speed stamps (matmul_gflops) within
+    ``tolerance``x of each other; otherwise their times measure the machines as much as the backends.
+    Runs without a stamp (records older than the field) cannot be checked and pass."""
+    boots = {r.get("boot_id") for r in rs}
+    if len(boots) == 1 and None not in boots:
+        return True
     rates = [r["matmul_gflops"] for r in rs if r.get("matmul_gflops")]
     return not rates or max(rates) <= tolerance * min(rates)
 
@@ -302,7 +306,8 @@ def efficiency_table(records: List[Dict[str, Any]]) -> Table:
                    "train time: wall-clock of the training steps (evaluation excluded), mean over completed seeds, and each "
                    "seed's in seed order (runs of one row may come from machines of different speed: compare them); "
                    "vs full: train time over full attention's on the same task, preset and device, left out (—) "
-                   "where the runs' matmul stamps differ by more than 1.2x; "
+                   "where the runs' matmul stamps differ by more than 1.2x, unless they all ran on one machine in one "
+                   "boot (the records' boot_id; records older than the field lack it); "
                    "peak memory: CUDA max allocated on a GPU, the process's peak RSS on the CPU; "
                    "matmul GFLOP/s: each seed's machine speed, a float32 1024 x 1024 matmul at the run's thread "
                    "count when training ended (machines of one name can differ 2x; — = a record older than the field); "

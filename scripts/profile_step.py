@@ -8,11 +8,12 @@ model level needs --batch: there is no batch search here) and three of its own: 
 and length it builds the point as lra-bench does (lra/bench/workloads.py), in this process, runs
 the warm-up steps, times --steps steps unprofiled, then profiles --steps more. Per step it reports
 
-  wall     the unprofiled step time (CUDA events on a GPU, the wall clock on the CPU), median
-  kernels  CUDA: the summed duration of the kernels the step ran; busy = kernels / wall, and far
+  wall     the unprofiled step time (CUDA events on a GPU, the wall clock on the CPU), median; and
+           the profiled steps' mean wall time, which the profiler's own work makes longer
+  kernels  CUDA: the summed duration of the kernels the step ran; busy = kernels / profiled wall, and far
            under 100% means the host (Python, launches, synchronisations) sets the pace.
-           CPU: the time spent inside aten operators (self time); the C kernels that the routing
-           backends call through ctypes are not operators, so their time is outside it
+           CPU: the time spent inside aten operators and the suite's C kernels (self time; the C
+           kernels, called through ctypes, are named c::<function> here); the rest is Python
   calls    aten operators called, and CUDA kernels launched
 
 and the operators and kernels that took the most of it: on CUDA an operator's time is that of the
@@ -22,18 +23,20 @@ once every point has run.
 """
 from __future__ import annotations
 
-import json
+import ctypes
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from attentions import native  # noqa: E402
 from lra.allocator import keep_freed_memory  # noqa: E402
 from lra.bench.cli import parse, settings_from  # noqa: E402
 from lra.bench.measure import timed  # noqa: E402
@@ -64,28 +67,45 @@ def rows(events: List[Any], time_of: Callable[[Any], float], steps: int, top: in
             for e in ranked if time_of(e) > 0]
 
 
+def name_c_kernels() -> None:
+    """Make the C kernels' calls visible to torch.profiler as c::<function> (they are not operators):
+    each function a loaded library has resolved (ctypes keeps it as an attribute of the library, set
+    on first use) is replaced there by a wrapper that records its call. For this process only."""
+    for lib in native._loaded.values():
+        for name, fn in list(vars(lib).items() if lib is not None else []):
+            if isinstance(fn, ctypes._CFuncPtr):
+                def call(*args: Any, _fn: Any = fn, _name: str = f"c::{name}") -> Any:
+                    with record_function(_name):
+                        return _fn(*args)
+                setattr(lib, name, call)
+
+
 def profile_point(spec: Dict[str, Any], mode: str, steps: int, top: int) -> Dict[str, Any]:
     device, dtype = torch.device(spec["device"]), DTYPES[spec["dtype"]]
     torch.manual_seed(spec["seed"])
     step = step_of(spec, device, dtype, mode)
     for _ in range(max(1, spec["warmup"])):  # at least one: kernels compile on the first call
         step()
+    name_c_kernels()
     wall = statistics.median(timed(step, device) for _ in range(steps))
     gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     with profile(activities=activities) as prof:
+        begin = time.perf_counter()
         for _ in range(steps):
             step()
         if gpu:
             torch.cuda.synchronize(device)
+        profiled_s = (time.perf_counter() - begin) / steps
     events = prof.key_averages()
-    ops = [e for e in events if e.device_type == DeviceType.CPU and e.key.startswith("aten::")]
+    ops = [e for e in events if e.device_type == DeviceType.CPU and e.key.startswith(("aten::", "c::"))]
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     op_time = (lambda e: e.self_device_time_total) if gpu else (lambda e: e.self_cpu_time_total)
     busy_us = sum(e.self_device_time_total for e in kernels) if gpu else sum(e.self_cpu_time_total for e in ops)
     return {
         "backend": spec["backend"], "length": spec["length"], "batch": spec["batch"],
-        "wall_ms": wall * 1e3, "busy_ms": busy_us / 1e3 / steps, "busy": busy_us / 1e6 / steps / wall,
+        "wall_ms": wall * 1e3, "profiled_wall_ms": profiled_s * 1e3, "busy_ms": busy_us / 1e3 / steps,
+        "busy": busy_us / 1e6 / steps / profiled_s,
         "ops_per_step": sum(e.count for e in ops) / steps,
         "kernels_per_step": sum(e.count for e in kernels) / steps if gpu else None,
         "operators": rows(ops, op_time, steps, top),
@@ -104,21 +124,22 @@ def fmt_table(title: str, entries: List[Dict[str, Any]]) -> List[str]:
 def markdown(record: Dict[str, Any]) -> str:
     s, gpu = record["settings"], record["settings"]["device"] == "cuda"
     # on the CPU the rest of the wall time is Python and the C kernels called through ctypes
-    busy, share = ("kernels", "busy") if gpu else ("in aten ops", "of wall")
+    busy, share = ("kernels", "busy") if gpu else ("in operators", "of profiled")
     out = [f"## Profile of one {s['mode']} step, {s['level']} level ({record['hardware_name']}, {s['dtype']})", "",
            f"{record['command']}  ", f"torch {record['versions']['torch']}, commit {record['versions']['git_commit']}; "
            f"load average (1 min) {record['load_average'][0]:.2f} at start; {s['steps']} steps timed, {s['steps']} "
            "profiled (scripts/profile_step.py's docstring says what each column is).", "",
-           f"| backend | N | batch | wall ms/step | {busy} ms/step | {share} | ops/step | kernels/step |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+           f"| backend | N | batch | wall ms/step | profiled | {busy} ms/step | {share} | ops/step | kernels/step |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in record["points"]:
         kernels = "—" if p["kernels_per_step"] is None else f"{p['kernels_per_step']:.0f}"
-        out.append(f"| {p['backend']} | {p['length']} | {p['batch']} | {p['wall_ms']:.2f} | {p['busy_ms']:.2f} | "
-                   f"{100 * p['busy']:.0f}% | {p['ops_per_step']:.0f} | {kernels} |")
+        out.append(f"| {p['backend']} | {p['length']} | {p['batch']} | {p['wall_ms']:.2f} | "
+                   f"{p['profiled_wall_ms']:.2f} | {p['busy_ms']:.2f} | {100 * p['busy']:.0f}% | "
+                   f"{p['ops_per_step']:.0f} | {kernels} |")
     for p in record["points"]:
         out += ["", f"### {p['backend']}, N = {p['length']}, batch {p['batch']}", ""]
-        out += fmt_table("operator (device time of its own kernels)" if gpu else "operator (self CPU time)",
-                         p["operators"])
+        title = "operator (device time of its own kernels)" if gpu else "operator or C kernel (self CPU time)"
+        out += fmt_table(title, p["operators"])
         if gpu:
             out += [""] + fmt_table("kernel", p["kernels"])
     return "\n".join(out) + "\n"

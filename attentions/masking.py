@@ -49,7 +49,8 @@ def adaptive_pool(x: torch.Tensor, bins: int) -> torch.Tensor:
     j = torch.arange(bins, device=x.device)
     starts = j * n // bins  # [bins]
     ends = -((-(j + 1) * n) // bins)  # [bins] ceil((j+1) n / bins)
-    width = int((ends - starts).max())
+    # the widest bin, from n and bins alone (no read back from the device)
+    width = max(-(-(i + 1) * n // bins) - i * n // bins for i in range(bins))
     offsets = torch.arange(width, device=x.device)  # [W]
     inside = offsets[None, :] < (ends - starts)[:, None]  # [bins, W]
     index = (starts[:, None] + offsets[None, :]).clamp_max(n - 1)  # [bins, W]

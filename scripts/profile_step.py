@@ -14,7 +14,7 @@ the warm-up steps, times --steps steps unprofiled, then profiles --steps more. P
            under 100% means the host (Python, launches, synchronisations) sets the pace.
            CPU: the time spent inside aten operators and the suite's C kernels (self time; the C
            kernels, called through ctypes, are named c::<function> here); the rest is Python
-  calls    aten operators called, and CUDA kernels launched
+  calls    aten operators (and C kernel calls) per step, and CUDA kernels launched
 
 and the operators and kernels that took the most of it: on CUDA an operator's time is that of the
 kernels it launched itself (Triton kernels are launched by no operator: see the kernel table).
@@ -74,10 +74,10 @@ def name_c_kernels() -> None:
     for lib in native._loaded.values():
         for name, fn in list(vars(lib).items() if lib is not None else []):
             if isinstance(fn, ctypes._CFuncPtr):
-                def call(*args: Any, _fn: Any = fn, _name: str = f"c::{name}") -> Any:
+                def recorded(*args: Any, _fn: Any = fn, _name: str = f"c::{name}") -> Any:
                     with record_function(_name):
                         return _fn(*args)
-                setattr(lib, name, call)
+                setattr(lib, name, recorded)
 
 
 def profile_point(spec: Dict[str, Any], mode: str, steps: int, top: int) -> Dict[str, Any]:

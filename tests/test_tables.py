@@ -1,4 +1,5 @@
-"""lra-table: synthetic records -> accuracy, efficiency, taxonomy and throughput tables, and plots."""
+"""lra-table: synthetic records -> accuracy, taxonomy and throughput tables, which records they used (the
+efficiency table: test_table_efficiency.py; the plots: test_plots.py)."""
 from __future__ import annotations
 
 import csv
@@ -12,7 +13,7 @@ import pytest
 from lra.bench import record as bench_record
 from lra.tables import cli as tables
 from lra.cli import guarded
-from lra.record import RECORD_KEYS, validate_record
+from table_records import RECORDS, make_record, row, run_table, write_runs
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "my_attention.py"
 FIVE = ("listops", "text", "retrieval", "image", "pathfinder")
@@ -20,60 +21,6 @@ FIVE = ("listops", "text", "retrieval", "image", "pathfinder")
 
 # backends a test loads from a file (--attn-module) are forgotten after it
 pytestmark = pytest.mark.usefixtures("isolated_registry")
-
-
-def make_record(task: str, attn: str, seed: int, test_acc: float, status: str = "completed",
-                train_time_s: float = 100.0, finished_at: str = "2026-01-01T00:00:00+00:00",
-                preset: str = "cpu") -> Dict[str, Any]:
-    record: Dict[str, Any] = {key: None for key in RECORD_KEYS}
-    record.update(
-        schema=1, status=status, run_name=f"{task}_{attn}_{preset}_seed{seed}", task=task, attn=attn, preset=preset, seed=seed,
-        config={}, attn_budget="N", steps=50, best_step=40, val_acc=test_acc, majority_acc=0.2,
-        test_acc=test_acc if status == "completed" else None, train_time_s=train_time_s, eval_time_s=5.0,
-        tokens_per_s=2000.0, peak_memory_mb=400.0, memory_kind="cpu_peak_rss", params=1000, device="cpu",
-        device_name="x86_64 (2 CPUs visible)", world_size=1, precision="fp32", finished_at=finished_at,
-        message="" if status == "completed" else "loss became nan at step 7", test_examples=416,
-        final_train_loss=1.9, torch="2.13.0+cpu", python="3.11.7", git_commit="0" * 40, hostname="vm",
-        started_at="2025-12-31T23:00:00+00:00",
-    )
-    validate_record(record)
-    return record
-
-
-def write_runs(folder: Path, records: List[Dict[str, Any]]) -> Path:
-    for i, record in enumerate(records):
-        run = folder / f"{record['run_name']}-{i}"
-        run.mkdir(parents=True)
-        (run / "record.json").write_text(json.dumps(record))
-    return folder
-
-
-# full: all five tasks, two seeds on ListOps; mita: ListOps with one diverged seed, Retrieval diverged only
-FULL_ACC = {"listops": 0.30, "text": 0.60, "retrieval": 0.70, "image": 0.40, "pathfinder": 0.65}
-RECORDS = [
-    *(make_record(task, "full", 0, acc) for task, acc in FULL_ACC.items()),
-    make_record("listops", "full", 1, 0.40),
-    # an older record of a seed already run: left out
-    make_record("text", "full", 0, 0.99, finished_at="2025-01-01T00:00:00+00:00"),
-    make_record("listops", "mita", 0, 0.50, train_time_s=40.0),
-    make_record("listops", "mita", 1, 0.0, status="diverged"),
-    make_record("retrieval", "mita", 0, 0.0, status="diverged"),
-]
-
-
-def run_table(tmp_path: Path, *args: str) -> Path:
-    out = tmp_path / "tables"
-    assert tables.main(["--runs", str(tmp_path / "runs"), "--out", str(out), *args]) == 0
-    return out
-
-
-def row(markdown: str, *starts: str) -> List[str]:
-    """The cells of the first Markdown table row whose leading cells are ``starts``."""
-    for line in markdown.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if cells[: len(starts)] == list(starts):
-            return cells
-    raise AssertionError(f"no row starting {starts}")
 
 
 def test_accuracy_mean_std_diverged_and_average(tmp_path: Path) -> None:
@@ -107,29 +54,6 @@ def test_accuracy_csv_is_numeric_and_never_numbers_a_diverged_run(tmp_path: Path
     assert float(ours[("full", "listops")]["acc_std"]) == pytest.approx(statistics.stdev([30.0, 40.0]))
     assert ours[("mita", "retrieval")]["acc_mean"] == "" and ours[("mita", "retrieval")]["diverged"] == "1"
     assert ours[("mita", "avg")]["acc_mean"] == ""
-
-
-def test_efficiency_ratio_totals_and_diverged(tmp_path: Path) -> None:
-    write_runs(tmp_path / "runs", RECORDS)
-    md = (run_table(tmp_path, "--no-plots") / "efficiency.md").read_text()
-    header = row(md, "Task", "Model")
-    mita = dict(zip(header, row(md, "ListOps", "mita")))
-    assert mita["Train time"] == "40.0 s" and mita["vs full"] == "0.40×" and mita["Seeds"] == "2"
-    # one completed seed (the other diverged): no per-seed times beside the mean
-    assert mita["Per seed (s)"] == "—"
-    assert dict(zip(header, row(md, "Retrieval", "mita")))["Train time"] == "diverged"
-    # full has all five tasks: its LRA total is the sum of the per-task means; mita has no total
-    assert dict(zip(header, row(md, "LRA total (5 tasks)", "full")))["Train time"] == "8.3 min"
-    assert "| LRA total (5 tasks) | mita" not in md
-    assert "Published training time" in md and "10.6 hours" in md
-
-
-def test_plots_written_atomically(tmp_path: Path) -> None:
-    write_runs(tmp_path / "runs", RECORDS)
-    out = run_table(tmp_path)
-    for name in ("accuracy_by_task.png", "accuracy_vs_time.png"):
-        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert not [p for p in out.iterdir() if p.name.startswith(".")], "temporary files left behind"
 
 
 def test_empty_runs_still_give_taxonomy_with_user_backend(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -308,50 +232,6 @@ def test_default_runs_folder_is_the_committed_one(tmp_path: Path, monkeypatch: p
     assert "| full | this suite" in md and "| mita | this suite" not in md
 
 
-def test_efficiency_table_carries_each_runs_load_average(tmp_path: Path) -> None:
-    loaded = [make_record("listops", "full", seed, 0.3) for seed in (0, 1)]
-    loaded[0]["load_average"] = [2.0, 1.5, 1.25]
-    loaded[1]["train_time_s"] = 250.0
-    loaded[0]["matmul_gflops"] = 61.9
-    # the second record predates the field: still readable, shown as not recorded
-    write_runs(tmp_path / "runs", loaded)
-    md = (run_table(tmp_path, "--no-plots") / "efficiency.md").read_text()
-    full = dict(zip(row(md, "Task", "Model"), row(md, "ListOps", "full")))
-    assert full["Load (1/5/15 min)"] == "2.00 / 1.50 / 1.25; —" and full["Budget"] == "N"
-    # each seed's train time beside the mean (machines of different speed show up here)
-    assert full["Train time"] == "2.9 min" and full["Per seed (s)"] == "100 / 250"
-    # and each seed's machine speed (the second record predates the field)
-    assert full["Matmul GFLOP/s"] == "62 / —"
-    # no "vs full" between runs on machines whose speed differs by more than 1.2x
-    mita = [make_record("listops", "mita", seed, 0.3, train_time_s=50.0) for seed in (0, 1)]
-    for record, rate in zip(loaded + mita, (62.0, 60.0, 58.0, 120.0)):
-        record["matmul_gflops"] = rate
-    def efficiency(name: str) -> str:
-        write_runs(tmp_path / name, loaded + mita)
-        assert tables.main(["--runs", str(tmp_path / name), "--out", str(tmp_path / f"{name}-tables"), "--no-plots"]) == 0
-        return (tmp_path / f"{name}-tables" / "efficiency.md").read_text()
-
-    mixed = efficiency("mixed")
-    assert dict(zip(row(mixed, "Task", "Model"), row(mixed, "ListOps", "mita")))["vs full"] == "—"
-    # stamps 2x apart on one machine in one boot (two runs sharing its cores): the ratio is shown
-    for record in loaded + mita:
-        record["boot_id"] = "boot-a"
-    one_boot = efficiency("one-boot")
-    assert dict(zip(row(one_boot, "Task", "Model"), row(one_boot, "ListOps", "mita")))["vs full"] == f"{50 / 175:.2f}×"
-    # another boot among them (or a record without the field): the stamps decide again
-    mita[1]["boot_id"] = "boot-b"
-    two_boots = efficiency("two-boots")
-    assert dict(zip(row(two_boots, "Task", "Model"), row(two_boots, "ListOps", "mita")))["vs full"] == "—"
-    mita[1]["matmul_gflops"] = 61.0
-    alike = efficiency("alike")
-    assert dict(zip(row(alike, "Task", "Model"), row(alike, "ListOps", "mita")))["vs full"] == f"{50 / 175:.2f}×"
-    with pytest.raises(ValueError, match="matmul_gflops"):
-        validate_record({**loaded[0], "matmul_gflops": "fast"})
-    bad = {**loaded[0], "load_average": [2.0, "high", 1.0]}
-    with pytest.raises(ValueError, match="load_average"):
-        validate_record(bad)
-
-
 def test_taxonomy_budgets_are_the_lra_settings_of_configs_attn() -> None:
     """Issue 17: the taxonomy table gave the class defaults (Linformer k = 256, Top-k k = 64) where the
     README's backend table gives configs/attn's (128 each)."""
@@ -390,28 +270,3 @@ def test_a_reader_that_stops_early_gets_no_traceback(tmp_path: Path) -> None:
     done = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
     assert done.returncode == 0 and "Traceback" not in done.stderr and "Error" not in done.stderr, done.stderr
     assert sorted(p.name for p in (tmp_path / "tables").glob("*.md")) == ["accuracy.md", "efficiency.md", "taxonomy.md"]
-
-
-def test_accuracy_vs_time_shows_the_seed_spread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from matplotlib.container import ErrorbarContainer
-
-    from lra.tables import plots
-
-    figures = []
-    monkeypatch.setattr(plots, "save", lambda fig, path: figures.append(fig) or path)
-    records = [make_record("listops", "full", 0, 0.30, train_time_s=100.0),
-               make_record("listops", "full", 1, 0.40, train_time_s=140.0),
-               make_record("listops", "mita", 0, 0.50, train_time_s=40.0)]
-    plots.accuracy_vs_time(plots.by_series(records, ["full", "mita"]), tmp_path / "plot.png")
-    (ax,) = figures[0].axes
-    bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
-    # one point of two seeds (full) has bars, the single seed (mita) none
-    assert len(bars) == 1
-    _, _, (x_bar, y_bar) = bars[0]
-    (x_span,), (y_span,) = x_bar.get_segments(), y_bar.get_segments()
-    assert [round(x) for x, _ in x_span] == [100, 140]  # the range of the train times
-    std = statistics.stdev([30.0, 40.0])
-    assert [round(y, 6) for _, y in y_span] == [round(35.0 - std, 6), round(35.0 + std, 6)]
-    assert "std of the accuracy and range of the time over seeds" in ax.get_title()
-    # the axes hold the bars
-    assert ax.get_ylim()[0] < 35.0 - std and ax.get_ylim()[1] > 50.0

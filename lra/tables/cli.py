@@ -16,64 +16,22 @@ import csv
 import math
 import statistics
 import sys
-from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from attentions import load_attention_module
 
 from ..cli import Parser, console
 from ..errors import UserError
-from .format import MISSING, Table, backend_order, fmt_count, fmt_duration, fmt_number, markdown, write_tables
+from .efficiency import efficiency_table, published_efficiency_table
+from .format import MISSING, Table, backend_order, fmt_number, markdown, write_tables
 from ..files import package_data
 from .records import load_records, shown
+from .summary import AVG_TASKS, SOURCES, TITLES, Summary, grouped, summarize, task_list
 from .taxonomy import taxonomy_table
 from .throughput import throughput_tables
 
-TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
-# the LRA average leaves Path-X out, as the papers do
-AVG_TASKS = TASKS[:5]
-TITLES = {"listops": "ListOps", "text": "Text", "retrieval": "Retrieval", "image": "Image",
-          "pathfinder": "Pathfinder", "pathx": "Path-X"}
-SOURCES = {"tay2021_lra": "Tay et al. 2021", "nystromformer2021": "Xiong et al. 2021", "skyformer2021": "Chen et al. 2021",
-           "xformers_lra": "xformers LRA page", "mita2026": "Wen et al. 2026", "mega2023": "Ma et al. 2023"}
 REFERENCE_FILES = ("published_lra.csv", "published_efficiency.csv")
-# sizes the taxonomy table builds each backend with to ask for its per-query budget
-
-
-@dataclass
-class Summary:
-    """One number over the seeds of a (backend, preset, task): completed values and diverged runs."""
-
-    values: List[float] = field(default_factory=list)
-    diverged: int = 0
-
-    @property
-    def mean(self) -> Optional[float]:
-        return statistics.fmean(self.values) if self.values else None
-
-    @property
-    def std(self) -> Optional[float]:
-        return statistics.stdev(self.values) if len(self.values) > 1 else None
-
-    def text(self, fmt: str = "{:.2f}") -> str:
-        if not self.values:
-            return "diverged" if self.diverged else MISSING
-        out = fmt.format(self.mean) + (f" ± {fmt.format(self.std)}" if self.std is not None else "")
-        if self.diverged:
-            out += f" ({self.diverged} of {self.diverged + len(self.values)} diverged)"
-        return out
-
-
-def summarize(records: Iterable[Dict[str, Any]], key: str, scale: float = 1.0) -> Summary:
-    summary = Summary()
-    for record in records:
-        if record["status"] == "diverged":
-            summary.diverged += 1
-        elif record.get(key) is not None:
-            summary.values.append(float(record[key]) * scale)
-    return summary
 
 
 def find_reference(explicit: Optional[str]) -> Tuple[Optional[Path], List[Path]]:
@@ -98,19 +56,6 @@ def read_csv(path: Path) -> List[Dict[str, str]]:
             return list(csv.DictReader(f))
     except (OSError, csv.Error) as err:
         raise UserError(f"cannot read {path}: {err}")
-
-
-def grouped(records: List[Dict[str, Any]]) -> Dict[Tuple[str, str, str], List[Dict[str, Any]]]:
-    """Records by (preset, attn, task)."""
-    groups: Dict[Tuple[str, str, str], List[Dict[str, Any]]] = defaultdict(list)
-    for record in records:
-        groups[(record["preset"], record["attn"], record["task"])].append(record)
-    return groups
-
-
-def task_list(records: List[Dict[str, Any]]) -> List[str]:
-    """The six LRA tasks, then any other task named in records."""
-    return list(TASKS) + sorted({r["task"] for r in records} - set(TASKS))
 
 
 def average(summaries: Dict[str, Summary]) -> Optional[float]:
@@ -213,116 +158,6 @@ def differences_from_full(records: List[Dict[str, Any]]) -> List[str]:
             f"{compared} backend-task pairs compared): {'; '.join(marked) or 'none'}. A screen, not a test at 5%: "
             "with 3 seeds the spread is itself uncertain, and the test-split term treats the two accuracies as "
             "independent, which the shared split makes conservative."]
-
-
-MEMORY_KINDS = {"cpu_peak_rss": "CPU peak RSS", "cuda_max_allocated": "CUDA max allocated"}
-
-
-def devices(records: List[Dict[str, Any]]) -> str:
-    return ", ".join(sorted({str(r["device_name"]) for r in records}))
-
-
-def efficiency_row(task: str, preset: str, attn: str, rs: List[Dict[str, Any]], full: List[Dict[str, Any]]
-                   ) -> Tuple[List[str], Dict[str, Any]]:
-    """The display row and the CSV row of one (task, preset, backend); only completed runs give numbers."""
-    rs = sorted(rs, key=lambda r: r["seed"])  # per-seed cells in seed order
-    time, speed, memory = (summarize(rs, key) for key in ("train_time_s", "tokens_per_s", "peak_memory_mb"))
-    full_time = summarize(full, "train_time_s")
-    # a ratio only between runs on the same hardware
-    ratio = time.mean / full_time.mean if time.mean is not None and full_time.mean and devices(rs) == devices(full) else None
-    if ratio is not None and not same_speed(rs + full):
-        ratio = None
-    kinds = ", ".join(sorted({MEMORY_KINDS.get(r["memory_kind"], r["memory_kind"]) for r in rs if r["status"] == "completed"}))
-    loads = load_text(rs)
-    rates = [r.get("matmul_gflops") for r in rs]
-    rate_text = " / ".join(MISSING if x is None else f"{x:.0f}" for x in rates) if any(rates) else MISSING
-    steps = round(statistics.fmean(r["steps"] for r in rs))
-    budget = ", ".join(sorted({str(r["attn_budget"]) for r in rs}))
-    # each seed's own time: a mean over runs from machines of different speed would hide it
-    per_seed = [f"{r['train_time_s']:.0f}" for r in rs if r["status"] == "completed" and r.get("train_time_s") is not None]
-    row = [
-        TITLES.get(task, task), attn, preset, str(len(rs)), str(steps), budget,
-        fmt_duration(time.mean) if time.mean is not None else time.text(),
-        " / ".join(per_seed) if len(per_seed) > 1 else MISSING,
-        f"{ratio:.2f}×" if ratio is not None else MISSING,
-        fmt_count(speed.mean) if speed.mean is not None else speed.text(),
-        f"{memory.mean:,.0f} MB ({kinds})" if memory.mean is not None else memory.text(),
-        devices(rs), rate_text, loads,
-    ]
-    csv_row = {"task": task, "model": attn, "preset": preset, "seeds": len(rs), "diverged": time.diverged, "steps": steps,
-               "attn_budget": budget,
-               "train_time_s": time.mean, "train_time_s_per_seed": "; ".join(per_seed), "train_time_vs_full": ratio, "tokens_per_s": speed.mean,
-               "peak_memory_mb": memory.mean, "memory_kind": kinds, "device_name": devices(rs),
-               "matmul_gflops": None if rate_text == MISSING else rate_text,
-               "load_average": None if loads == MISSING else loads}
-    return row, csv_row
-
-
-def same_speed(rs: List[Dict[str, Any]], tolerance: float = 1.2) -> bool:
-    """Whether the runs' train times compare: all from one machine in one boot (one boot_id; their
-    stamps then differ by load, which the table shows), or machine-speed stamps (matmul_gflops) within
-    ``tolerance``x of each other; otherwise their times measure the machines as much as the backends.
-    Runs without a stamp (records older than the field) cannot be checked and pass."""
-    boots = {r.get("boot_id") for r in rs}
-    if len(boots) == 1 and None not in boots:
-        return True
-    rates = [r["matmul_gflops"] for r in rs if r.get("matmul_gflops")]
-    return not rates or max(rates) <= tolerance * min(rates)
-
-
-def load_text(rs: List[Dict[str, Any]]) -> str:
-    """Each run's 1 / 5 / 15 minute load average when its training ended ("; " between seeds), or
-    missing when no record stores it (records written before the field was added)."""
-    loads = [r.get("load_average") for r in rs]
-    if not any(loads):
-        return MISSING
-    return "; ".join(MISSING if not load else " / ".join(f"{x:.2f}" for x in load) for load in loads)
-
-
-def efficiency_table(records: List[Dict[str, Any]]) -> Table:
-    table = Table("Training time and memory", ["Task", "Model", "Preset", "Seeds", "Steps", "Budget", "Train time", "Per seed (s)",
-                                               "vs full", "Tokens/s", "Peak memory", "Device", "Matmul GFLOP/s",
-                                               "Load (1/5/15 min)"])
-    table.records = []
-    groups = grouped(records)
-    # (preset, attn) -> task -> mean train time, for the five-task totals
-    totals: Dict[Tuple[str, str], Dict[str, float]] = defaultdict(dict)
-    for task in task_list(records):
-        table.breaks.append(len(table.rows))
-        for preset in sorted({p for p, _, t in groups if t == task}):
-            for attn in backend_order(a for p, a, t in groups if t == task and p == preset):
-                full = groups.get((preset, "full", task), [])
-                row, csv_row = efficiency_row(task, preset, attn, groups[(preset, attn, task)], full)
-                table.rows.append(row)
-                table.records.append(csv_row)
-                if csv_row["train_time_s"] is not None and task in AVG_TASKS:
-                    totals[(preset, attn)][task] = csv_row["train_time_s"]
-    complete = sorted((key, sum(t.values())) for key, t in totals.items() if len(t) == len(AVG_TASKS))
-    if complete:
-        table.breaks.append(len(table.rows))
-    for (preset, attn), seconds in complete:
-        table.rows.append(["LRA total (5 tasks)", attn, preset, *[MISSING] * 3, fmt_duration(seconds), *[MISSING] * 7])
-    table.notes = ["Budget: keys one query attends to, as the backend reports it for the run's settings; "
-                   "train time: wall-clock of the training steps (evaluation excluded), mean over completed seeds, and each "
-                   "seed's in seed order (runs of one row may come from machines of different speed: compare them); "
-                   "vs full: train time over full attention's on the same task, preset and device, left out (—) "
-                   "where the runs' matmul stamps differ by more than 1.2x, unless they all ran on one machine in one "
-                   "boot (the records' boot_id; records older than the field lack it); "
-                   "peak memory: CUDA max allocated on a GPU, the process's peak RSS on the CPU; "
-                   "matmul GFLOP/s: each seed's machine speed, a float32 1024 x 1024 matmul at the run's thread "
-                   "count when training ended (machines of one name can differ 2x; — = a record older than the field); "
-                   "load: the machine's load averages when training ended, the run's own threads included "
-                   "(train times compare only at similar loads; — = not recorded, a record older than the field)."]
-    return table
-
-
-def published_efficiency_table(rows: List[Dict[str, str]], reference: str) -> Table:
-    table = Table("Published training time, memory and throughput", ["Source", "Hardware", "What", "Model", "Value", "Notes"])
-    for row in rows:
-        table.rows.append([SOURCES.get(row["source"], row["source"]), row["hardware"], row["what"], row["model"],
-                           f"{row['value']} {row['unit']}", row.get("notes", "")])
-    table.notes = [f"From {reference}."]
-    return table
 
 
 def parser() -> Parser:

@@ -20,10 +20,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter  # noqa: E402
 
 from ..files import write_atomic  # noqa: E402
+from .summary import TASKS, TITLES  # noqa: E402
 
-TASK_ORDER = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
-TITLES = {"listops": "ListOps", "text": "Text", "retrieval": "Retrieval", "image": "Image",
-          "pathfinder": "Pathfinder", "pathx": "Path-X"}
 # rows of reference/published_lra.csv that are full (softmax) attention: (source, model)
 PUBLISHED_FULL = {("tay2021_lra", "Transformer"), ("nystromformer2021", "Standard"),
                   ("skyformer2021", "Self-attention"), ("xformers_lra", "Standard")}
@@ -50,7 +48,7 @@ def by_series(records: List[Dict[str, Any]], order: List[str]) -> Series:
 
 
 def task_order(series: Series) -> List[str]:
-    tasks = [t for t in TASK_ORDER if any(t in s for s in series.values())]
+    tasks = [t for t in TASKS if any(t in s for s in series.values())]
     return tasks + sorted({t for s in series.values() for t in s} - set(tasks))
 
 
@@ -66,7 +64,7 @@ def published_full(published: List[Dict[str, str]]) -> Dict[str, Tuple[float, fl
     for row in published:
         if (row.get("source"), row.get("model")) not in PUBLISHED_FULL:
             continue
-        for task in TASK_ORDER:
+        for task in TASKS:
             text = (row.get("path_x" if task == "pathx" else task) or "").strip()
             try:
                 values[task].append(float(text))
@@ -160,7 +158,7 @@ def accuracy_vs_time(series: Series, path: Path) -> Path:
     the sample std of the accuracy (as the accuracy table's ±) and the range of the train times. Axes
     span at least a factor of 10 in time and 10 points in accuracy, so close runs are not stretched
     over the whole plot."""
-    markers = dict(zip(TASK_ORDER, "osD^vP"))
+    markers = dict(zip(TASKS, "osD^vP"))
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     times: List[float] = []
     accs: List[float] = []

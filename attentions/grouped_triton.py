@@ -192,7 +192,7 @@ class GroupedAttentionTriton(torch.autograd.Function):
         # d_logits = p * (d_out . v + offset), offset = d_lse - d_out . out [P] float32, computed and
         # written by the dq kernel for the pairs it owns (a pair with no expert is read by no kernel)
         has_d_lse = ctx.with_lse and d_lse is not None
-        d_lse = d_lse.contiguous() if has_d_lse else lse
+        d_lse = d_lse.contiguous() if has_d_lse else lse  # without one, lse stands in: never read (HAS_DLSE off)
         offset = torch.empty(q.shape[:1], dtype=torch.float32, device=q.device)
         dq = torch.zeros_like(q)  # [P, D]; a pair with no expert keeps 0
         k.grouped_backward_dq[(layout.item_rows.numel(),)](

@@ -271,7 +271,9 @@ class MiTAAttention(Attention):
             return MiTACPU.apply(q, k, v, mask, m, keys, top_keys)
         marks, real_marks, index, key_ok, shared_values = build_experts(q, k, v, mask, m, keys, native)
         real_marks = real_marks.repeat_interleave(h, dim=0)  # [B*H, m]
-        expert = route(q, marks, real_marks, per_query, native, all_real=mask is None and n >= m)  # [B*H, N, E]
+        # every landmark real: no padding, and at least m tokens to pool
+        all_real = mask is None and n >= m
+        expert = route(q, marks, real_marks, per_query, native, all_real)  # [B*H, N, E]
         # step 5: routed experts [B*H*m, keys, D] read once from k and v; queries grouped by expert
         heads = torch.arange(b * h, device=q.device)[:, None]  # [B*H, 1]
         rows = (index.view(b * h, m * keys) + heads * n).view(b * h * m, keys)
@@ -289,7 +291,7 @@ class MiTAAttention(Attention):
         shared = None
         if cfg.shared_expert:
             # the m landmarks join the keys of a query's first expert, pre-scaled so q . L gets 1/D
-            ok = None if (mask is None and n >= m) or (on_cpu and bool(real_marks.all())) else real_marks
+            ok = None if all_real or (on_cpu and bool(real_marks.all())) else real_marks
             shared = (marks.reshape(b * h, m, d) / math.sqrt(d), shared_values.reshape(b * h, m, d), ok, m)
         q_rows = q.reshape(b * h * n, d)
         scale = 1 / math.sqrt(d)

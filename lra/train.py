@@ -309,7 +309,7 @@ def finish(run: Run, state: TrainState, status: str, message: str) -> Record:
         tokens_per_s=state.tokens / state.train_time if state.train_time else None,
         peak_memory_mb=round(max(mem, state.peak_mb), 1), memory_kind=mem_kind,
         params=sum(p.numel() for p in run.model.parameters() if p.requires_grad),
-        **{**environment(run.device), "git_commit": " -> ".join(state.commits) or git_commit()},
+        **{**environment(run.device), "git_commit": " -> ".join(state.commits)},
         world_size=run.d.world_size, precision="bf16" if run.bf16 else "fp32",
         started_at=state.started_at, finished_at=now(), message=message, load_average=load,
         init_from=None if run.init is None else run.init.record(), matmul_gflops=rate,

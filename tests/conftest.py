@@ -196,6 +196,18 @@ def tiny_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return runs
 
 
+@pytest.fixture(scope="session")
+def debug_sweep(tmp_path_factory: pytest.TempPathFactory, listops_data: Path) -> Path:
+    """2 backends x 2 seeds of lra-sweep's tiny protocol (tests/sweep_helpers.py) through the in-process
+    executor, once per session: the reference the other executors' sweeps must equal."""
+    from lra.sweep.cli import main
+    from sweep_helpers import sweep_flags
+
+    out = tmp_path_factory.mktemp("debug-sweep") / "sw"
+    assert call("lra-sweep", main, ["run", *sweep_flags(listops_data), "--executor", "debug", "--out", str(out)]) == 0
+    return out
+
+
 class Killed(BaseException):
     """Stands in for SIGKILL: not an Exception, so nothing in the trainer handles it."""
 

@@ -84,6 +84,13 @@ def all_parsers(p: argparse.ArgumentParser) -> List[argparse.ArgumentParser]:
     return [p] + [q for a in subs for sub in a.choices.values() for q in all_parsers(sub)]
 
 
+def test_the_backend_example_in_the_docs_is_the_example_file() -> None:
+    # docs/backends.md shows examples/my_attention.py's code (from its imports on) as it is
+    block = re.search(r"^```python\n(import math\n.*?)^```", (ROOT / "docs" / "backends.md").read_text(), re.M | re.S)
+    assert block, "docs/backends.md shows no example backend"
+    assert block.group(1) in (ROOT / "examples" / "my_attention.py").read_text()
+
+
 def parse(name: str, args: List[str]) -> str:
     """What the command's parser says about ``args``: "" when they parse, else its error line."""
     module, _ = console_scripts()[name].split(":")

@@ -82,7 +82,7 @@ class Attention(nn.Module):
     Config: ClassVar[type] = NoConfig
     # capability: the backend honours a [B, N] padding mask exactly
     supports_mask: ClassVar[bool] = True
-    # cost of one forward in the sequence length, for the README table, e.g. "O(N^2 D)"
+    # cost of one forward in the sequence length, for the backend table of docs/backends.md, e.g. "O(N^2 D)"
     cost: ClassVar[str] = ""
     taxonomy: ClassVar[Taxonomy]
     # every query's output depends on that query and all N keys only, so S queries cost S / N of the

@@ -111,8 +111,7 @@ def backward_call(args: Grouped, q: torch.Tensor, keys: torch.Tensor, values: to
                   order: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                   d_out: torch.Tensor, d_lse: Optional[torch.Tensor]):
     """The kernel's backward for the forward whose block ``args`` is, given that forward's out and lse
-    (the backward reads both; a caller that kept only out had the kernel read freed memory where the
-    softmax rows are recomputed): dq, d keys, d values and the shared tables' gradients (None without
+    (the backward reads both: where the softmax rows were not saved it recomputes them from lse): dq, d keys, d values and the shared tables' gradients (None without
     them), new tensors."""
     d_out = d_out.to(q.dtype).contiguous()
     d_lse = None if d_lse is None else d_lse.to(q.dtype).contiguous()  # [P]

@@ -2,8 +2,8 @@
 autograd Function: the same steps and kernels as mita.py's composed path (landmark_cpu.py,
 grouped_cpu.py), with the backward written into one set of gradients.
 
-Composed of separate Functions, the backward made each stage's q, k, v gradients as new tensors
-and autograd added them: at N = 64K (B = 1, H = 4, D = 32) three [G, N, D] additions, three new
+Composed of separate Functions, the backward would make each stage's q, k, v gradients as new
+tensors for autograd to add: at N = 64K (B = 1, H = 4, D = 32) three [G, N, D] additions, three new
 [G, N, D] tensors and a zero [G, m, N] gradient for the scores, about 15% of the step. Here the
 grouped kernel's gradients are the buffers: the landmark pass adds its key, value and landmark
 gradients into them and the pooling adds its query gradient into dq (the kernels' ``accumulate``).

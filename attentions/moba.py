@@ -73,8 +73,8 @@ def choose_blocks(
         if native and gate_kernel_fits(q, per_query):
             return choose_blocks_cpu(q, means, counts[:, 0] == 0, block_size, per_query, include_own)
         # the results are made whole before the loop and each chunk's gate is freed before the next: a
-        # loop that kept small per-chunk results between gate-sized temporaries fragmented the heap,
-        # and the resident memory grew by about one gate per chunk, O(N^2 / block_size) in all
+        # loop that keeps small per-chunk results between gate-sized temporaries fragments the heap,
+        # and the resident memory grows by about one gate per chunk, O(N^2 / block_size) in all
         chosen = torch.empty(b, h, n, per_query, dtype=torch.long, device=q.device)
         chosen_ok = torch.empty(b, h, n, per_query, dtype=torch.bool, device=q.device)
         empty = (counts == 0)[:, :, None, :]  # [B, 1, 1, blocks]

@@ -1,5 +1,5 @@
-"""Cosine attention (Henry et al. 2020, Query-Key Normalization for Transformers): the README's
-"Add a backend" example. Softmax over the cosine similarity of queries and keys, sharpened by a
+"""Cosine attention (Henry et al. 2020, Query-Key Normalization for Transformers): the example
+of "Add a backend" in the README and docs/backends.md. Softmax over the cosine similarity of queries and keys, sharpened by a
 learned temperature; O(N^2 D) like full attention.
 
     lra-check-attn examples/my_attention.py

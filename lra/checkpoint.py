@@ -55,7 +55,7 @@ class TrainState:
     # the bytes of metrics.jsonl written so far (a resume cuts the log back to them)
     log_bytes: int = 0
     # the code each process of the run started from (machine.git_commit); a resume on other code adds
-    # one. Added later: checkpoints written before it lack it and resume with it empty
+    # one. Optional: a checkpoint without it resumes with it empty
     commits: List[str] = field(default_factory=list)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -63,7 +63,7 @@ class TrainState:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-# the state keys a checkpoint must hold (those added later may be missing)
+# the state keys a checkpoint must hold (commits is optional)
 STATE_KEYS = tuple(f.name for f in fields(TrainState) if f.name != "commits")
 BUSY = "{folder} is in use by another lra-run (pid {pid}); wait for it to end or stop it, then run the command again"
 

@@ -228,7 +228,7 @@ def resolve(
         raise UserError(f"task {task!r} has no configuration file {task_file}; the installation is incomplete "
                         "(reinstall the package)")
     task_values = read_yaml(task_file)
-    _apply_file(cfg, task_values, str(task_file), skip=("presets",))
+    _apply_file(cfg, task_values, str(task_file), skip=("presets", "refused_presets"))
 
     cfg.attn_options.update(attn_options_for(backend_values(attn), task, CONFIG_DIR / "attn" / f"{attn}.yaml"))
 
@@ -237,13 +237,19 @@ def resolve(
         raise UserError(f"unknown preset {preset!r}; valid: {', '.join(list_presets())}")
     preset_values = read_yaml(preset_file)
     task_presets = task_values.get("presets", {}) or {}
-    if not isinstance(task_presets, dict):
-        raise UserError(f"{task_file}: 'presets' must be a mapping of preset name to sections")
+    refused = task_values.get("refused_presets", {}) or {}
+    if not isinstance(task_presets, dict) or not isinstance(refused, dict):
+        raise UserError(f"{task_file}: 'presets' and 'refused_presets' must be mappings keyed by preset name")
+    # the other presets this task runs, for the error messages below
+    usable = ", ".join(["paper"] + sorted(n for n in task_presets if n != preset))
+    if preset in refused:
+        raise UserError(f"preset {preset!r} is refused for task {task!r}: {refused[preset]}; use --preset {usable}")
+    # a preset marked tasks_required (cpu, smoke) runs only on the tasks that define their values for it
     if preset_values.pop("tasks_required", False) and preset not in task_presets:
         has = sorted(n.stem for n in (CONFIG_DIR / "tasks").glob("*.yaml") if preset in (read_yaml(n).get("presets") or {}))
         raise UserError(
             f"preset {preset!r} has no values for task {task!r} (none measured yet); "
-            f"it exists for: {', '.join(has) or 'no task'}; use --preset paper or smoke"
+            f"it exists for: {', '.join(has) or 'no task'}; use --preset {usable}"
         )
     _apply_file(cfg, preset_values, str(preset_file))
     _apply_file(cfg, task_presets.get(preset, {}) or {}, f"{task_file} presets.{preset}")

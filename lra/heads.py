@@ -1,8 +1,8 @@
 """The Q/K/V projection's output split into heads, each in the layout attention wants.
 
 ``x.view(B, N, 3, H, D).permute(2, 0, 3, 1, 4)`` gives q, k, v as strided views of the
-projection's output, and every backend that needs them contiguous copies them (MoBA did twice
-per tensor, MiTA once); in the backward autograd stacks dq, dk, dv into one [3, B, H, N, D] tensor and
+projection's output, and every backend that needs them contiguous would copy them (once or more per
+tensor); in the backward autograd stacks dq, dk, dv into one [3, B, H, N, D] tensor and
 then copies that into the projection's [B, N, 3, H, D] layout. ``split_heads`` does each direction
 as one transposing copy: q, k, v come out contiguous [B, H, N, D] (slices of one [3, B, H, N, D]
 tensor), and their gradients are written straight into the projection's layout. Pure data
@@ -32,7 +32,7 @@ class SplitHeads(torch.autograd.Function):
         # (an unused part's gradient arrives as zeros: autograd materialises them)
         b, n, heads, d = ctx.shape
         d_qkv = dq.new_empty(b, n, 3, heads, d)
-        # one copy per (q/k/v, head): a [B, N, D] slab each; one strided copy per q/k/v was 3x slower
+        # one copy per (q/k/v, head): a [B, N, D] slab each; one strided copy per q/k/v is about 3x slower
         for i, grad in enumerate((dq, dk, dv)):
             for h in range(heads):
                 d_qkv[:, :, i, h].copy_(grad[:, h])

@@ -1,8 +1,15 @@
 """The result record: one JSON file per run, the source of every table.
 
-The fields of :class:`Record` are the schema (version 1): its keys, their order in record.json and
-their types, read by ``validate_record`` too. Keys are stable; later versions only add keys, and a
-key added later has a default (older records lack it).
+The fields of :class:`Record` are the schema: its keys, their order in record.json and their
+types, read by ``validate_record`` too. Keys are stable; a new version only adds keys, each with a
+default, so every older record still reads.
+
+Versions (the record's ``schema`` key):
+  1  the fields from ``status`` to ``message``, and any of ``load_average``, ``init_from``,
+     ``matmul_gflops``, ``allocator``, ``boot_id`` (a missing one reads as null); ``git_commit`` may
+     name the code the run ended on rather than the code it started from.
+  2  every field below, each written (null where it does not apply); ``git_commit`` is the code the
+     run started from ("A -> B" when it was resumed on other code).
 """
 from __future__ import annotations
 
@@ -12,7 +19,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Dict, List, Optional
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# the schema versions this code reads
+SCHEMA_VERSIONS = (1, 2)
 STATUSES = ("completed", "diverged", "running")
 
 
@@ -57,7 +66,7 @@ class Record:
     # trainable parameters
     params: int
     # where it ran (lra.machine.environment); git_commit: the code the run started from ("A -> B"
-    # when it was resumed on other code; records before 2026-12-02 name the commit when it ended)
+    # when it was resumed on other code)
     device: str
     device_name: str
     torch: str
@@ -73,19 +82,19 @@ class Record:
     # why the run stopped, when it did not complete
     message: str
     # the machine's 1, 5 and 15 minute load averages when training ended (the run's own threads
-    # included); added after the first records, which lack it
+    # included)
+    # The fields from here on have defaults: a version 1 record may lack any of them.
     load_average: Optional[List[float]] = None
     # the run whose best weights this one started from (lra-run --init-from; None = a fresh start):
     # its folder name ("run"), "attn", "attn_budget", "attn_options", "test_acc", and the tensors
-    # "loaded" (a count) and left "new" (their names); added later, older records lack it
+    # "loaded" (a count) and left "new" (their names)
     init_from: Optional[Dict[str, Any]] = None
     # float32 matmul rate (GFLOP/s, 1024 x 1024, the run's thread count) measured when training
-    # ended, beside the load: tells apart machines of the same name; added later, older records lack it
+    # ended, beside the load: tells apart machines of the same name
     matmul_gflops: Optional[float] = None
-    # the C allocator's setting during training (lra/allocator.py); added later, older records lack it
+    # the C allocator's setting during training (lra/allocator.py)
     allocator: Optional[str] = None
-    # the machine's boot (lra.machine.boot_id) when training ended: equal ids, one machine in one boot;
-    # added later, older records lack it
+    # the machine's boot (lra.machine.boot_id) when training ended: equal ids, one machine in one boot
     boot_id: Optional[str] = None
     schema: int = SCHEMA_VERSION
 
@@ -95,8 +104,10 @@ class Record:
         return {"schema": data.pop("schema"), **data}
 
 
-# every key a record must have: the fields without a default (``schema`` too)
+# every key a record of any version must have: the fields without a default (``schema`` too)
 RECORD_KEYS = ("schema",) + tuple(f.name for f in dataclasses.fields(Record) if f.default is dataclasses.MISSING)
+# the keys version 2 adds to what it requires: every field
+RECORD_KEYS_V2 = RECORD_KEYS + tuple(f.name for f in dataclasses.fields(Record) if f.name not in RECORD_KEYS)
 
 
 def now() -> str:
@@ -132,7 +143,10 @@ def _type_problem(value: Any, kind: Any) -> Optional[str]:
 
 def validate_record(record: Dict[str, Any]) -> None:
     """Raise ValueError naming the first missing key or ill-typed value (used by tests and by lra-table)."""
-    missing = [k for k in RECORD_KEYS if k not in record]
+    schema = record.get("schema")
+    if "schema" in record and schema not in SCHEMA_VERSIONS:
+        raise ValueError(f"record schema is {schema!r:.40}; this version reads {', '.join(map(str, SCHEMA_VERSIONS))}")
+    missing = [k for k in (RECORD_KEYS_V2 if schema == 2 else RECORD_KEYS) if k not in record]
     if missing:
         raise ValueError(f"record is missing {', '.join(missing)}")
     if record["status"] not in STATUSES:

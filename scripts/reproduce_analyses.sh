@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# MiTA's three findings on the ListOps cpu-preset runs -> results/analyses/ (README, "Analyses").
+# MiTA's three findings on the ListOps cpu-preset runs -> results/analyses/ (docs/analyses.md).
 #
 #   scripts/reproduce_analyses.sh
 #

@@ -22,7 +22,7 @@ from lra.record import validate_record
 
 
 def test_smoke_run_writes_a_valid_record(tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Also issue 17: by default the record lands in ./runs, where the last line says; a --data-dir of
+    """By default the record lands in ./runs, where the last line says; a --data-dir of
     one's own gets its ListOps set generated as ./data does; the generated files are world-readable
     (umask permitting); --quiet leaves stderr empty."""
     (tmp_path / "mydata").mkdir()
@@ -137,7 +137,7 @@ def test_lra_data_generate_writes_official_files(tmp_path: Path, cli) -> None:
 
 def test_lra_data_generate_rerun_removes_what_a_killed_write_left(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 14: an interrupted `lra-data generate` left a `.basic_train.tsv.*` temporary file behind."""
+    """A rerun of `lra-data generate` removes the `.basic_train.tsv.*` temporary file an interrupted one left."""
     folder = tmp_path / "listops_n40_seed0"
     folder.mkdir()
     # what a SIGKILL during the write of basic_train.tsv leaves: its half-written temporary file
@@ -174,7 +174,7 @@ def test_every_backend_trains_listops_smoke_through_lra_run(attn: str, listops_d
 
 def test_lra_data_check_lists_every_generated_set_with_its_size(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                                listops_data: Path) -> None:
-    """Issue 17: ListOps was reported MISSING right after training on a listops_n<size>_seed<seed> set."""
+    """`lra-data check` lists a generated listops_n<size>_seed<seed> set (with its split sizes), not MISSING."""
     name, size = smoke_listops()
     copy_listops(listops_data, tmp_path)
     # a second set, of seed 1 (its rows do not matter here)

@@ -122,8 +122,9 @@ def test_shipped_configs_resolve_for_every_task_and_backend() -> None:
                 try:
                     config.resolve(task, attn, preset)
                 except UserError as err:
-                    # only a per-task preset that this task lacks may refuse
-                    assert f"preset {preset!r} has no values for task {task!r}" in str(err)
+                    # only a per-task preset that this task lacks, or refuses with a reason, may refuse
+                    assert (f"preset {preset!r} has no values for task {task!r}" in str(err)
+                            or f"preset {preset!r} is refused for task {task!r}: " in str(err))
 
 
 def test_exponent_without_a_dot_is_a_number(configs: Path) -> None:
@@ -158,3 +159,22 @@ def test_a_per_task_preset_refuses_a_task_without_values(configs: Path) -> None:
     assert config.resolve("listops", "full", "cpu").train.steps == 9
     with pytest.raises(UserError, match=r"preset 'cpu' has no values for task 'text'.*exists for: listops"):
         config.resolve("text", "full", "cpu")
+
+
+def test_a_task_refuses_a_preset_with_its_reason(configs: Path) -> None:
+    (configs / "presets" / "cpu.yaml").write_text("tasks_required: true\n")
+    (configs / "presets" / "smoke.yaml").write_text("tasks_required: true\n")
+    (configs / "tasks" / "text.yaml").write_text(
+        "presets:\n  smoke: {}\nrefused_presets:\n  cpu: too slow here\n")
+    with pytest.raises(UserError, match=r"^preset 'cpu' is refused for task 'text': too slow here; use --preset paper, smoke$"):
+        config.resolve("text", "full", "cpu")
+    assert config.resolve("text", "full", "smoke").preset == "smoke"
+
+
+def test_smoke_is_refused_for_path_x_and_kept_for_every_other_task() -> None:
+    from lra.tasks import list_tasks
+
+    with pytest.raises(UserError, match=r"preset 'smoke' is refused for task 'pathx': .*30 s"):
+        config.resolve("pathx", "full", "smoke")
+    for task in set(list_tasks()) - {"pathx"}:
+        assert config.resolve(task, "full", "smoke").train.steps == 20

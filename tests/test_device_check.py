@@ -21,7 +21,7 @@ def test_every_backend_passes_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixtu
     record = json.loads((tmp_path / "check.json").read_text())
     rows = [f"{name}[torch]" if "kernel" in config_fields(name) else name for name in list_attentions()]
     assert [b["backend"] for b in record["backends"]] == rows
-    # issue 17: the result rows were printed twice, the first time without the header; now once, under it
+    # the result rows are printed once, under the header
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("| backend |") and sum(line.startswith("| backend |") for line in printed) == 1
     for name in rows:

@@ -78,7 +78,7 @@ def test_init_from_is_part_of_the_run_identity(tiny_runs: dict) -> None:
     swapped.init_from = str(tiny_runs["full"])
     assert run_name(plain) == "listops_mita_smoke_seed0"
     assert run_name(swapped) == f"listops_mita_smoke_seed0_from-{FULL}"
-    # a config.json written before the field existed is a plain run's
+    # a config.json without the field (it is optional) is a plain run's
     saved = plain.to_dict()
     del saved["init_from"]
     assert same_run(saved, plain) and not same_run(saved, swapped)

@@ -2,8 +2,9 @@
 
 In-process kills: an exception no code catches (as SIGKILL runs no handler) raised at one chosen
 moment: before any step, evaluation, file write or log line, in the middle of a write (the partial
-file or line a kill leaves), or after it. The named edges of issue 14 and seeded random moments,
-some killed twice. Then real SIGKILLs at seeded random times, and two runs started at once.
+file or line a kill leaves), or after it. The named edges (before the first checkpoint, between a
+checkpoint and a log line, during an evaluation, inside a write) and seeded random moments, some
+killed twice. Then real SIGKILLs at seeded random times, and two runs started at once.
 """
 from __future__ import annotations
 
@@ -226,7 +227,7 @@ def test_killed_at_random_moments_ends_identical(case: int, reference: Tuple[dic
 
 def test_resume_with_out_written_with_a_trailing_slash(reference: Tuple[dict, List[Moment]], data_dir: Path,
                                                       tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 14: `--out DIR/ --resume` was told that the run in DIR had a different config."""
+    """`--out DIR/ --resume` (a trailing slash) resumes the run in DIR, whose config is the same."""
     ref, seen = reference
     extra = ("data.data_dir=" + str(data_dir),)
     assert run_in(tmp_path, monkeypatch, Killer(first(seen, "step 10", "before")), extra)

@@ -283,7 +283,7 @@ def test_bad_level_and_max_len_are_refused(tmp_path: Path) -> None:
 
 
 def test_quiet_silences_the_reading_bar(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 17: `lra-run --quiet` left Pathfinder's "reading" progress bar on (on a terminal)."""
+    """`lra-run --quiet` silences Pathfinder's "reading" progress bar too (on a terminal)."""
     from lra.tasks import pathfinder as reader
     from lra.tasks.base import quiet_bars
 

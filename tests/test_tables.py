@@ -183,7 +183,7 @@ def notes_of(markdown: str) -> str:
 
 
 def test_tables_name_the_runs_they_used_and_left_out(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """Issue 17: a user's runs mixed silently with the committed ones; smoke and unfinished runs too."""
+    """The tables name every run folder they used and every record they left out (smoke, unfinished, older duplicates)."""
     write_runs(tmp_path / "runs", [make_record("listops", "full", 0, 0.30)])
     # the user's folder: a newer run of the same seed, a smoke run, a run without its record yet
     write_runs(tmp_path / "mine", [make_record("listops", "full", 0, 0.45, finished_at="2026-02-01T00:00:00+00:00"),
@@ -233,14 +233,14 @@ def test_default_runs_folder_is_the_committed_one(tmp_path: Path, monkeypatch: p
 
 
 def test_taxonomy_budgets_are_the_lra_settings_of_configs_attn() -> None:
-    """Issue 17: the taxonomy table gave the class defaults (Linformer k = 256, Top-k k = 64) where the
-    README's backend table gives configs/attn's (128 each)."""
+    """The taxonomy table gives the LRA budgets of configs/attn (128 keys each), not the classes' defaults
+    (Linformer k = 256, Top-k k = 64)."""
     budgets = {r[0]: r[7] for r in tables.taxonomy_table().rows}
     assert budgets["linformer"] == "k = 128" and budgets["topk"] == "k = 128" and budgets["mita"] == "m + k = 128"
 
 
 def test_differences_from_full_are_marked_by_a_stated_rule(tmp_path: Path) -> None:
-    """Issue 15: which backends differ from full by more than seed spread and test-split noise allow."""
+    """The significance screen marks the backends that differ from full by more than seed spread and test-split noise allow."""
     accs = {"full": (0.30, 0.31, 0.32), "mita": (0.40, 0.41, 0.42), "topk": (0.34, 0.35, 0.36), "moba": (0.10,),
             "agent": (0.31, 0.31, 0.31)}
     write_runs(tmp_path / "runs", [make_record("listops", attn, seed, acc) for attn, values in accs.items()

@@ -56,7 +56,7 @@ def same_speed(rs: List[Dict[str, Any]], tolerance: float = 1.2) -> bool:
     """Whether the runs' train times compare: all from one machine in one boot (one boot_id; their
     stamps then differ by load, which the table shows), or machine-speed stamps (matmul_gflops) within
     ``tolerance``x of each other; otherwise their times measure the machines as much as the backends.
-    Runs without a stamp (records older than the field) cannot be checked and pass."""
+    Runs without a stamp (version 1 records may lack it) cannot be checked and pass."""
     boots = {r.get("boot_id") for r in rs}
     if len(boots) == 1 and None not in boots:
         return True
@@ -66,7 +66,7 @@ def same_speed(rs: List[Dict[str, Any]], tolerance: float = 1.2) -> bool:
 
 def load_text(rs: List[Dict[str, Any]]) -> str:
     """Each run's 1 / 5 / 15 minute load average when its training ended ("; " between seeds), or
-    missing when no record stores it (records written before the field was added)."""
+    missing when no record stores it (version 1 records may lack it)."""
     loads = [r.get("load_average") for r in rs]
     if not any(loads):
         return MISSING
@@ -101,12 +101,12 @@ def efficiency_table(records: List[Dict[str, Any]]) -> Table:
                    "seed's in seed order (runs of one row may come from machines of different speed: compare them); "
                    "vs full: train time over full attention's on the same task, preset and device, left out (—) "
                    "where the runs' matmul stamps differ by more than 1.2x, unless they all ran on one machine in one "
-                   "boot (the records' boot_id; records older than the field lack it); "
+                   "boot (the records' boot_id; version 1 records may lack it); "
                    "peak memory: CUDA max allocated on a GPU, the process's peak RSS on the CPU; "
                    "matmul GFLOP/s: each seed's machine speed, a float32 1024 x 1024 matmul at the run's thread "
-                   "count when training ended (machines of one name can differ 2x; — = a record older than the field); "
+                   "count when training ended (machines of one name can differ 2x; — = not in the record); "
                    "load: the machine's load averages when training ended, the run's own threads included "
-                   "(train times compare only at similar loads; — = not recorded, a record older than the field)."]
+                   "(train times compare only at similar loads; — = not in the record)."]
     return table
 
 

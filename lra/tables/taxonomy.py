@@ -3,7 +3,7 @@
 Generated from the code (each backend's ``paper``, ``taxonomy``, ``cost`` and budget), so a backend
 added in one file, or loaded from a user's file, gets its row. The budget is the one lra-run trains
 with: the backend built with the values of ``configs/attn/<name>.yaml`` where it has one (the same
-settings as the README's backend table), its class defaults otherwise.
+settings as docs/backends.md's backend table), its class defaults otherwise.
 """
 from __future__ import annotations
 

@@ -92,7 +92,13 @@ def same_run(saved: Dict[str, Any], cfg: RunConfig) -> bool:
     """Whether a saved config is this run's (``out`` aside: a folder may be moved, or named as DIR/). A key
     the saved config lacks (written before the key existed) counts as its default."""
     saved = {**RunConfig().to_dict(), **saved}
-    return {k: v for k, v in saved.items() if k != "out"} == {k: v for k, v in cfg.to_dict().items() if k != "out"}
+    return identity(saved) == identity(cfg.to_dict())
+
+
+def identity(config: Dict[str, Any]) -> Dict[str, Any]:
+    """What makes two configs the same run: all but where it is written and where its scalars are tracked."""
+    train = {k: v for k, v in (config.get("train") or {}).items() if k != "tracker"}
+    return {**{k: v for k, v in config.items() if k != "out"}, "train": train}
 
 
 def abandoned(folder: Path) -> bool:

@@ -29,6 +29,7 @@ from attentions.registry import coerce
 
 from .errors import UserError
 from .files import package_data
+from .tracking import check_tracker
 
 CONFIG_DIR = package_data("configs")
 
@@ -71,6 +72,9 @@ class TrainConfig:
     precision: str = "auto"
     # torch CPU threads (0 = torch's default)
     threads: int = 0
+    # where the scalars of metrics.jsonl also go: none, tensorboard or wandb (lra/tracking.py); not
+    # part of a run's identity (a run resumes under another tracker)
+    tracker: str = "none"
 
 
 @dataclass
@@ -342,6 +346,7 @@ def validate(cfg: RunConfig) -> None:
         raise UserError(f"model.pooling must be 'mean' or 'cls', got {cfg.model.pooling!r}")
     if cfg.model.dim % cfg.model.num_heads:
         raise UserError(f"model.dim ({cfg.model.dim}) must be divisible by model.num_heads ({cfg.model.num_heads})")
+    check_tracker(cfg.train.tracker)
     if cfg.train.precision not in ("auto", "fp32", "bf16"):
         raise UserError(f"train.precision must be auto, fp32 or bf16, got {cfg.train.precision!r}")
     if cfg.attn not in list_attentions():

@@ -34,6 +34,7 @@ from .files import write_json_atomic
 from .machine import environment, git_commit, load_average, matmul_rate
 from .record import Record, now
 from .tasks import Split
+from .tracking import open_tracker
 from .train_setup import Run, peak_memory_mb, setup, to_device
 
 
@@ -58,6 +59,7 @@ def train(cfg: RunConfig, resume: bool = False, quiet: bool = False) -> Dict[str
         # 2) restore: claim (and lock) the run folder, continue its checkpoint if it has one
         run.run_dir = claim_run_dir(cfg, resume, run.d, held)
         state = restore_or_start(run, started_at)
+        held.callback(run.tracker.close)
         if not state.commits or state.commits[-1] != commit:
             state.commits.append(commit)
         # 3) the loop, until the last step, a non-finite loss or a signal
@@ -129,6 +131,8 @@ def restore_or_start(run: Run, started_at: str) -> TrainState:
             torch.cuda.set_rng_state(saved["rng_cuda"].cpu())
     covered = None if saved is None else state.log_bytes
     run.log = ckpt.open_metrics(run.run_dir / "metrics.jsonl", covered) if run.d.main else None
+    if run.d.main:
+        run.tracker = open_tracker(run.cfg.train.tracker, run.run_dir, run.cfg.to_dict(), None if saved is None else state.step)
     return state
 
 
@@ -219,8 +223,10 @@ def after_step(run: Run, state: TrainState, loss: float, bar: tqdm) -> None:
     if step % tc.log_every == 0:
         state.last_loss = sum(state.losses) / len(state.losses)
         state.losses = []
+        lr = run.optimizer.param_groups[0]["lr"]
         if run.log is not None:
-            ckpt.append_metric(run.log, {"step": step, "loss": state.last_loss, "lr": run.optimizer.param_groups[0]["lr"]})
+            ckpt.append_metric(run.log, {"step": step, "loss": state.last_loss, "lr": lr})
+        run.tracker.log(step, {"loss": state.last_loss, "lr": lr, "tokens_per_s": state.tokens / max(state.train_time, 1e-9)})
     if step % tc.eval_every == 0 or step == tc.steps:
         acc = validate(run, state)
         bar.set_postfix(loss=f"{loss:.3f}", val=f"{acc:.3f}", tok_s=f"{state.tokens / state.train_time:.0f}")
@@ -238,6 +244,7 @@ def validate(run: Run, state: TrainState) -> float:
         state.best_acc, state.best_step, state.best_model = acc, step, copy.deepcopy(run.model.state_dict())
     if run.log is not None:
         ckpt.append_metric(run.log, {"step": step, "val_acc": acc, "val_loss": val_loss})
+    run.tracker.log(step, {"val_acc": acc, "val_loss": val_loss})
     return acc
 
 
@@ -295,6 +302,7 @@ def finish(run: Run, state: TrainState, status: str, message: str) -> Record:
     if status == "completed" and state.best_model is not None:
         run.model.load_state_dict(state.best_model)
         test_acc, _ = evaluate(run.net, run.splits["test"], tc.batch_size, tc.test_batches, run.device, run.d, run.bf16)
+        run.tracker.log(state.step, {"test_acc": test_acc})
     mem, mem_kind = peak_memory_mb(run.device)
     test = run.splits["test"]
     n_test = len(test) if not tc.test_batches else min(len(test), tc.test_batches * tc.batch_size)

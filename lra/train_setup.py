@@ -3,7 +3,7 @@ model (checked against the attention contract on its first call) and the optimiz
 from __future__ import annotations
 
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Dict, Optional, Tuple
 
@@ -22,6 +22,7 @@ from .init_from import InitFrom, match, read_source
 from .model import LRAModel
 from .tasks import Split, TaskSpec, get_task
 from .tasks.base import quiet_bars
+from .tracking import Tracker
 
 
 @dataclass
@@ -44,6 +45,8 @@ class Run:
     log: Optional[IO[bytes]] = None
     # the run whose weights a fresh start loads (--init-from), matched to the model
     init: Optional[InitFrom] = None
+    # rank 0's experiment tracker (lra/tracking.py; a no-op on the other ranks and for tracker=none)
+    tracker: Tracker = field(default_factory=Tracker)
 
     @property
     def tokens_per_step(self) -> int:

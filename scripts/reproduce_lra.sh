@@ -1,21 +1,20 @@
 #!/usr/bin/env bash
-# Train every backend on every LRA task whose data is present, then build the tables.
+# Train every backend on every LRA task whose data is present (an lra-sweep), then build the tables.
 #
-#   scripts/reproduce_lra.sh [PRESET] [extra lra-run arguments...]
+#   scripts/reproduce_lra.sh [PRESET] [more lra-sweep run arguments...]
 #
-# PRESET: paper (default), cpu or smoke (configs/presets/). Extra arguments go to every lra-run,
-# e.g. `scripts/reproduce_lra.sh cpu --set train.threads=2`. Environment (all optional):
-#   SEEDS="0 1 2"      seeds per (backend, task)          (default "0")
-#   BACKENDS="full mita" backends                         (default: every registered backend)
-#   TASKS="listops text" tasks                            (default: all six)
-#   DATA_DIR=path      where the task data is             (default ./data; ListOps is generated there)
-#   OUT=path           run folders and records            (default ./runs, git-ignored)
-#   TABLES=path        tables and plots, of OUT's records (default: tables/ beside OUT, so ./tables)
-# The committed reference records live in results/runs; to add to them (the maintainers' runs), set
-# OUT=results/runs (TABLES then defaults to results/tables).
-# A task whose data `lra-data check` reports missing is skipped with the reason (ListOps is generated
-# by lra-run on first use). A run that already has a record is not repeated; an unfinished one
-# resumes. A failed or diverged run is reported and the others go on.
+# PRESET: paper (default), cpu or smoke (configs/presets/). More arguments go to `lra-sweep run`, e.g.
+# `scripts/reproduce_lra.sh paper --executor slurm --partition gpu --gpus-per-run 1` or
+# `scripts/reproduce_lra.sh cpu --parallel 2`. Environment (all optional):
+#   SEEDS="0 1 2"        seeds per (backend, task)          (default "0")
+#   BACKENDS="full mita" backends                           (default: every registered backend)
+#   TASKS="listops text" tasks                              (default: all six)
+#   DATA_DIR=path        where the task data is             (default ./data; ListOps is generated there)
+#   OUT=path             the sweep's folder                 (default ./runs)
+#   TABLES=path          tables and plots of OUT's records  (default: tables/ beside OUT, so ./tables)
+# A task whose data `lra-data check` reports missing is left out with the reason (ListOps is generated
+# by lra-run on first use). lra-sweep skips finished runs and resumes stopped ones, so running the
+# script again continues it; `lra-sweep status OUT` says where each run stands.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,8 +31,7 @@ if [[ -n "${DATA_DIR:-}" ]]; then
 fi
 
 status="$(lra-data check "${data_args[@]}")" || exit 2
-failed=()
-skipped=()
+present=()
 for task in $tasks; do
   line="$(grep -E "^${task}[[:space:]]" <<<"$status" || true)"
   if [[ -z "$line" ]]; then
@@ -41,34 +39,22 @@ for task in $tasks; do
     exit 2
   fi
   if [[ "$line" == *MISSING* && "$task" != listops ]]; then
-    echo "reproduce_lra: skipping $task, its data is missing: $(sed -E 's/^[a-z_]+ +MISSING +//' <<<"$line")" >&2
-    skipped+=("$task")
+    echo "reproduce_lra: leaving out $task, its data is missing: $(sed -E 's/^[a-z_]+ +MISSING +//' <<<"$line")" >&2
     continue
   fi
-  for attn in $backends; do
-    for seed in $seeds; do
-      if [[ -f "$out/${task}_${attn}_${preset}_seed${seed}/record.json" ]]; then
-        echo "reproduce_lra: $task/$attn seed $seed already has a record; skipped"
-        continue
-      fi
-      echo "reproduce_lra: lra-run --task $task --attn $attn --preset $preset --seed $seed"
-      if ! lra-run --task "$task" --attn "$attn" --preset "$preset" --seed "$seed" --out "$out" "${data_args[@]}" "$@"; then
-        failed+=("$task/$attn/seed$seed")
-      fi
-    done
-  done
+  present+=("$task")
 done
+if (( ${#present[@]} == 0 )); then
+  echo "reproduce_lra: no task has its data; see lra-data check" >&2
+  exit 2
+fi
 
-# lra-table leaves smoke runs out of its tables unless asked; here they are what was asked for
-table_args=()
-if [[ "$preset" == smoke ]]; then
-  table_args=(--include-smoke)
+join() { local IFS=,; echo "$*"; }
+lra-sweep run --task "$(join "${present[@]}")" --attn "$(join $backends)" --seeds "$(join $seeds)" \
+  --preset "$preset" --out "$out" "${data_args[@]}" "$@"
+code=$?
+if (( code == 2 )); then
+  exit 2
 fi
-lra-table --runs "$out" --out "$tables" "${table_args[@]}"
-if (( ${#skipped[@]} )); then
-  echo "reproduce_lra: tasks skipped for missing data: ${skipped[*]} (see lra-data check)" >&2
-fi
-if (( ${#failed[@]} )); then
-  echo "reproduce_lra: runs that failed or diverged: ${failed[*]}" >&2
-  exit 1
-fi
+lra-sweep table "$out" --out "$tables" || exit $?
+exit "$code"

@@ -216,3 +216,17 @@ def test_status_names_pending_failed_and_diverged_runs(cli: Callable, listops_da
     SweepFolder(out2).write(sweep, runs, [run_argv(str(out2), r, sweep) for r in runs])
     lines = cli("lra-sweep", "status", out2).out.strip().splitlines()
     assert all("  pending   not started" in line for line in lines[:3]) and lines[-1] == "3 runs: 3 pending"
+
+
+def test_reproduce_lra_runs_its_grid_through_lra_sweep(listops_data: Path, tmp_path: Path) -> None:
+    from conftest import ROOT
+    from sweep_helpers import TINY_SETS
+
+    env = {**os.environ, "TASKS": "listops", "BACKENDS": "full", "SEEDS": "0 1", "DATA_DIR": str(listops_data),
+           "OUT": str(tmp_path / "runs"), "TABLES": str(tmp_path / "tables")}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "reproduce_lra.sh"), "smoke", "--executor", "debug",
+                           "--quiet", "--set", *TINY_SETS], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.parent.name for p in (tmp_path / "runs").glob("*/record.json")) == [
+        "listops_full_smoke_seed0", "listops_full_smoke_seed1"]
+    assert "Runs used (2)" in (tmp_path / "tables" / "accuracy.md").read_text()

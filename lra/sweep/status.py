@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from ..tables.format import fmt_duration
 from .folder import SweepFolder
 from .progress import Progress, run_progress
 
@@ -84,16 +85,8 @@ def running_detail(progress: Progress, state: Dict, job: str) -> str:
     started, first = state.get("started"), state.get("start_step")
     if isinstance(started, (int, float)) and isinstance(first, int) and progress.step > first:
         rate = (progress.step - first) / max(1e-9, time.time() - started)
-        text += f", ETA {duration((progress.steps - progress.step) / rate)}"
+        text += f", ETA {fmt_duration((progress.steps - progress.step) / rate)}"
     return f"{text} on {where}"
-
-
-def duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def cluster_jobs(job_ids: List[str]) -> Dict[str, str]:

@@ -75,6 +75,8 @@ def bad(tmp: Path) -> List[tuple]:
          "a SLURM option submitit does not take"),
         (["run", "--task", "listops", "--attn", "full", "--executor", "slurm", "--slurm-extra", "exclude"], "KEY=VALUE"),
         (["run", "--task", "listops", "--attn", "full", "--executor", "local", "--parallel", "64"], "cores"),
+        (["run", "--task", "listops", "--attn", "full", "--gpus-per-run", "1"], "GPUs; this machine has 0"),
+        (["run", "--seeds", "0,1"], "needs --task and --attn"),
         (["status", tmp / "none"], "no such folder"),
         (["status", tmp], "holds no sweep"),
         (["table", tmp], "holds no sweep"),
@@ -92,7 +94,7 @@ SPECS = {
 }
 
 
-@pytest.mark.parametrize("case", range(21))
+@pytest.mark.parametrize("case", range(23))
 def test_bad_input_is_one_line_exit_2_and_nothing_written(case: int, cli: Callable, tmp_path: Path) -> None:
     (tmp_path / "spec.yaml").write_text("task: listops\nattn: full\npreset: smoke\n")
     args, expected = bad(tmp_path)[case]

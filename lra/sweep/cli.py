@@ -40,8 +40,8 @@ def parser() -> Any:
                      "extra, data_dir, configs, attn_modules) instead of the axis flags")
     run.add_argument("--task", help="comma-separated tasks, e.g. listops,text")
     run.add_argument("--attn", help="comma-separated backends, e.g. full,mita")
-    run.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
-    run.add_argument("--preset", default="paper", help="comma-separated presets (default paper)")
+    run.add_argument("--seeds", help="comma-separated seeds (default 0)")
+    run.add_argument("--preset", help="comma-separated presets (default paper)")
     run.add_argument("--set", dest="sets", nargs="+", action="extend", default=[], metavar="KEY=V1[,V2...]",
                      help="config values, each an axis of the grid, e.g. train.lr=1e-3,3e-4 attn.topk=32")
     run.add_argument("--data-dir", help="lra-run --data-dir for every run")
@@ -57,7 +57,8 @@ def parser() -> Any:
     run.add_argument("--time", dest="time_min", type=int, default=24 * 60, metavar="MINUTES",
                      help="a job's time limit; a run stopped by it checkpoints and is requeued (default 1440)")
     run.add_argument("--partition", help="slurm: the partition")
-    run.add_argument("--gpus-per-run", type=int, default=0, help="slurm: GPUs per run (default 0)")
+    run.add_argument("--gpus-per-run", type=int, default=0, help="GPUs per run (default 0); local: each run sees its "
+                     "own GPUs (CUDA_VISIBLE_DEVICES), 0 = every run sees them all")
     run.add_argument("--mem-gb", type=float, help="slurm: memory per run, in GB")
     run.add_argument("--array-parallelism", type=int, default=256, help="slurm: array tasks running at once (default 256)")
     run.add_argument("--account", help="slurm: the account to charge")
@@ -89,7 +90,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def spec_of(args: Any, folder: SweepFolder) -> specs.SweepSpec:
     """The sweep's spec: --spec, the axis flags, or (neither given) the one the folder already holds."""
-    axis_flags = args.task is not None or args.attn is not None or args.sets
+    axis_flags = any(v is not None for v in (args.task, args.attn, args.seeds, args.preset)) or args.sets
     if args.spec and axis_flags:
         raise UserError("give the grid either as --spec FILE.yaml or as --task/--attn/--set flags, not both")
     if args.spec:
@@ -97,8 +98,8 @@ def spec_of(args: Any, folder: SweepFolder) -> specs.SweepSpec:
     if axis_flags:
         if args.task is None or args.attn is None:
             raise UserError("a grid needs --task and --attn (and optionally --seeds, --preset, --set); or give --spec")
-        return specs.from_flags(args.task, args.attn, args.seeds, args.preset, args.sets, args.data_dir,
-                                args.configs, args.attn_module)
+        return specs.from_flags(args.task, args.attn, args.seeds or "0", args.preset or "paper", args.sets,
+                                args.data_dir, args.configs, args.attn_module)
     if folder.exists():
         return specs.from_yaml(str(folder.spec_file))
     raise UserError("no grid given: give --task and --attn (or --spec FILE.yaml), or the --out of an existing sweep")
@@ -155,7 +156,7 @@ def yaml_value(text: str) -> Any:
 
 
 def run_main(args: Any) -> int:
-    from .launch import core_slots, run_debug, run_local, slurm_executor, submit_slurm, to_submit
+    from .launch import local_slots, run_debug, run_local, slurm_executor, submit_slurm, to_submit
 
     check_numbers(args)
     folder = SweepFolder(Path(args.out))
@@ -165,8 +166,7 @@ def run_main(args: Any) -> int:
     options = slurm_options(args) if args.executor == "slurm" else None
     slots = None
     if args.executor == "local":
-        cores = len(os.sched_getaffinity(0))
-        slots = core_slots(args.parallel or max(1, cores // args.cpus_per_run), args.cpus_per_run)
+        slots = local_slots(args.parallel, args.cpus_per_run, args.gpus_per_run)
     if options is not None and shutil.which("sbatch") is None:
         raise UserError("--executor slurm needs SLURM's sbatch on PATH (run on a cluster's login node); "
                         "on one machine use --executor local")

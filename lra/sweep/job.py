@@ -41,12 +41,13 @@ class RunJob(submitit.helpers.Checkpointable):
 
     ``cores``: pin the child to these CPUs and give torch as many threads (the local executor's
     share of the machine); under SLURM the job's own allocation (``SLURM_CPUS_PER_TASK``) sets the threads.
+    ``gpus``: the GPUs the child sees (CUDA_VISIBLE_DEVICES; None: whatever this process sees).
     ``inprocess``: run lra-run in this process (the debug executor: no child, no signals).
     """
 
     def __init__(self, out: str, key: str, argv: List[str], cores: Optional[List[int]] = None,
-                 inprocess: bool = False) -> None:
-        self.out, self.key, self.argv, self.cores, self.inprocess = out, key, list(argv), cores, inprocess
+                 gpus: Optional[List[int]] = None, inprocess: bool = False) -> None:
+        self.out, self.key, self.argv, self.cores, self.gpus, self.inprocess = out, key, list(argv), cores, gpus, inprocess
         self._child: Optional[subprocess.Popen] = None
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -125,6 +126,8 @@ class RunJob(submitit.helpers.Checkpointable):
         threads = len(self.cores) if self.cores else env.get("SLURM_CPUS_PER_TASK")
         if threads and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(threads)
+        if self.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpus))
         return env
 
     def child_setup(self) -> None:
@@ -151,7 +154,8 @@ class RunJob(submitit.helpers.Checkpointable):
         progress = run_progress(folder, self.key)
         if not progress.done:
             folder.set_state(self.key, "requeued", **current_job(), step=progress.step, exit_status=rc)
-        return submitit.helpers.DelayedSubmission(RunJob(self.out, self.key, self.argv, self.cores, self.inprocess))
+        return submitit.helpers.DelayedSubmission(RunJob(self.out, self.key, self.argv, self.cores, self.gpus,
+                                                         self.inprocess))
 
 
 def wait_child(child: subprocess.Popen, timeout: Optional[float]) -> Optional[int]:

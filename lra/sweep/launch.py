@@ -27,6 +27,9 @@ from .job import RunJob
 from .status import find, sweep_status
 
 EXECUTORS = ("local", "slurm", "debug")
+# how often a job may hit its time limit and be requeued (submitit's default, 3, would end a run that
+# needs four job lengths); a pre-emption is not counted
+MAX_TIMEOUTS = 1000
 
 
 @dataclass
@@ -62,7 +65,8 @@ class SlurmOptions:
 
 def slurm_executor(folder: SweepFolder, options: SlurmOptions) -> submitit.AutoExecutor:
     """submitit's SLURM executor with ``options``; an option submitit does not know is a UserError."""
-    executor = submitit.AutoExecutor(folder=str(folder.submitit_dir / "%j"), cluster="slurm")
+    executor = submitit.AutoExecutor(folder=str(folder.submitit_dir / "%j"), cluster="slurm",
+                                     slurm_max_num_timeout=MAX_TIMEOUTS)
     try:
         executor.update_parameters(name=f"lra-sweep-{folder.out.name}", **options.parameters())
     except (ValueError, TypeError, NameError) as err:
@@ -103,20 +107,44 @@ def submit_slurm(folder: SweepFolder, runs: List[Dict[str, Any]], options: Slurm
     return [str(job.job_id) for job in jobs]
 
 
-def core_slots(parallel: int, cpus_per_run: int) -> List[List[int]]:
-    """``parallel`` disjoint sets of ``cpus_per_run`` cores of the ones this process may use."""
+@dataclass
+class Slot:
+    """What one local run gets: its cores (pinned, as many torch threads) and its GPUs (None: all)."""
+    cores: List[int]
+    gpus: Optional[List[int]] = None
+
+
+def local_slots(parallel: Optional[int], cpus_per_run: int, gpus_per_run: int) -> List[Slot]:
+    """Disjoint shares of this machine for ``parallel`` runs at once (default: as many as the cores, and
+    the GPUs when runs take GPUs, allow)."""
     cores = sorted(os.sched_getaffinity(0))
+    gpus = list(range(gpu_count())) if gpus_per_run else []
+    fit = len(cores) // cpus_per_run
+    if gpus_per_run:
+        fit = min(fit, len(gpus) // gpus_per_run)
+    parallel = parallel or max(1, fit)
     if parallel * cpus_per_run > len(cores):
         raise UserError(f"--parallel {parallel} x --cpus-per-run {cpus_per_run} needs {parallel * cpus_per_run} "
                         f"cores; this machine gives {len(cores)}: lower one of them")
-    return [cores[i * cpus_per_run:(i + 1) * cpus_per_run] for i in range(parallel)]
+    if parallel * gpus_per_run > len(gpus):
+        raise UserError(f"--parallel {parallel} x --gpus-per-run {gpus_per_run} needs {parallel * gpus_per_run} "
+                        f"GPUs; this machine has {len(gpus)}: lower one of them, or --gpus-per-run 0 to share them")
+    return [Slot(cores[i * cpus_per_run:(i + 1) * cpus_per_run],
+                 gpus[i * gpus_per_run:(i + 1) * gpus_per_run] if gpus_per_run else None) for i in range(parallel)]
 
 
-def run_local(folder: SweepFolder, runs: List[Dict[str, Any]], slots: List[List[int]], time_min: int,
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def run_local(folder: SweepFolder, runs: List[Dict[str, Any]], slots: List[Slot], time_min: int,
               quiet: bool) -> Dict[str, str]:
     """Run ``runs`` on this machine, ``len(slots)`` at a time, each pinned to its slot's cores; returns
     each run's outcome ("completed", "diverged", "stopped", or "failed: <line>")."""
-    executor = submitit.AutoExecutor(folder=str(folder.submitit_dir / "%j"), cluster="local")
+    executor = submitit.AutoExecutor(folder=str(folder.submitit_dir / "%j"), cluster="local",
+                                     local_max_num_timeout=MAX_TIMEOUTS)
     executor.update_parameters(timeout_min=time_min)
     waiting = list(runs)
     running: Dict[int, Tuple[Dict[str, Any], Any]] = {}
@@ -127,7 +155,8 @@ def run_local(folder: SweepFolder, runs: List[Dict[str, Any]], slots: List[List[
             for slot in range(len(slots)):
                 if slot not in running and waiting:
                     run = waiting.pop(0)
-                    job = executor.submit(RunJob(str(folder.out), run["key"], run["argv"], cores=slots[slot]))
+                    job = executor.submit(RunJob(str(folder.out), run["key"], run["argv"], cores=slots[slot].cores,
+                                                 gpus=slots[slot].gpus))
                     folder.set_state(run["key"], "submitted", cluster="local", job=str(job.job_id))
                     running[slot] = (run, job)
             for slot, (run, job) in list(running.items()):

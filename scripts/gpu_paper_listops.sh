@@ -29,9 +29,11 @@
 #   by B H N^2 from 16K to 32 x 2 x 2,000; the model around the attention ~4 ms of host time):
 #     full 6 ms, linear 7, linformer 8, agent 8, moba 12, mita 12, topk 13
 #   seven runs at once time-slice the GPU: x2.5 a step; evaluation (62 batches every 50 steps, a
-#   third of a step each) adds 41%; start-up ~45 s. A paper-protocol run then takes ~150 s (full) to
-#   ~275 s (topk); the whole call ~450 s: data ~100 s beside the GPU steps ~120 s, training ~275 s,
-#   table and profile ~50 s.
+#   batch 0.3 of a step for full, 0.52-0.68 for MiTA, MoBA and top-k, from the H200 records' forward
+#   / train times) adds 38-85%; start-up ~45 s. A paper-protocol run then takes ~150 s (full) to
+#   ~345 s (topk): the whole call ~520 s, data ~100 s beside the GPU steps ~120 s, training ~345 s,
+#   table, 64K profile and summary ~55 s. With less than ~350 s left for training, every run is
+#   evaluated every 250 steps instead (~236 s for topk).
 #   Cut first, when less time is left: the 64K profile (runs last, on what is left), then the
 #   training's evaluations (every 250 steps, not 50), then its steps (all backends alike, to 500);
 #   the data, the device check and the 64K bench are never cut, only stopped at their limits.
@@ -114,7 +116,7 @@ gpu_lane() {  # flash-attn, the device check, the 64K bench, the ListOps-shape p
         note flash-attn "not run" 0 "FLASH_ATTN=skip"
     else
         MAX_JOBS=2 step flash-attn "$(min "$FLASH_S" $((end - SECONDS)))" \
-            python3 -m pip install --no-deps --no-build-isolation --disable-pip-version-check "$FLASH_ATTN"
+            python3 -m pip install --no-deps --no-build-isolation --disable-pip-version-check --retries 0 --timeout 10 "$FLASH_ATTN"
     fi
     python3 -c "import flash_attn; print('flash-attn', flash_attn.__version__, 'imports')" > "$LOGS/flash-attn-import.log" 2>&1
     note flash-attn-import "$( [ $? = 0 ] && echo ok || echo "failed: $(tail -n 1 "$LOGS/flash-attn-import.log")")" 0 "python3 -c 'import flash_attn'"

@@ -47,19 +47,21 @@ STEP_MS = {"full": 6.0, "linear": 7.0, "linformer": 8.0, "agent": 8.0, "moba": 1
 CONTENTION = 2.5
 # import, CUDA start, the token cache read, Triton's compilation, the first-call check, best_model.pt
 STARTUP_S = 45.0
-# an evaluation batch (forward only) against a training step (forward, backward, AdamW)
-EVAL_COST = 1 / 3
+# an evaluation batch (forward only) against a training step (forward, backward, AdamW): the
+# committed H200 records' forward / train time (full 0.29 at the model level, MiTA 0.52 there, MoBA
+# 0.58 and top-k 0.68 at the attention level); a third for the dense and linear backends
+EVAL_COST = {"full": 0.3, "linear": 1 / 3, "linformer": 1 / 3, "agent": 1 / 3, "moba": 0.58, "mita": 0.52, "topk": 0.68}
 # the paper protocol (configs/tasks/listops.yaml) and the test split: 2,000 rows in batches of 32
 PAPER = {"steps": 5000, "warmup_steps": 1000, "eval_every": 50, "eval_batches": 62}
 TEST_BATCHES = 63
 MIN_STEPS = 500
 
 
-def expected_s(step_ms: float, steps: int, eval_every: int, eval_batches: int, contention: float = CONTENTION,
+def expected_s(attn: str, steps: int, eval_every: int, eval_batches: int, contention: float = CONTENTION,
                startup_s: float = STARTUP_S) -> float:
-    """Expected wall clock of one run, in seconds (the formula of the module's docstring)."""
-    batches = steps + EVAL_COST * ((steps // eval_every) * eval_batches + TEST_BATCHES)
-    return startup_s + step_ms / 1e3 * contention * batches
+    """Expected wall clock of one run of ``attn``, in seconds (the formula of the module's docstring)."""
+    batches = steps + EVAL_COST[attn] * ((steps // eval_every) * eval_batches + TEST_BATCHES)
+    return startup_s + STEP_MS[attn] / 1e3 * contention * batches
 
 
 def tiers() -> List[Tuple[str, Dict[str, int]]]:
@@ -74,7 +76,7 @@ def tiers() -> List[Tuple[str, Dict[str, int]]]:
 def fitting(attn: str, budget_s: float, contention: float, startup_s: float) -> Optional[int]:
     """Index in tiers() of the first protocol of ``attn`` that fits ``budget_s``, or None."""
     for index, (_, p) in enumerate(tiers()):
-        if expected_s(STEP_MS[attn], p["steps"], p["eval_every"], p["eval_batches"], contention, startup_s) <= budget_s:
+        if expected_s(attn, p["steps"], p["eval_every"], p["eval_batches"], contention, startup_s) <= budget_s:
             return index
     return None
 
@@ -88,14 +90,13 @@ def protocols(backends: List[str], budget_s: float, contention: float = CONTENTI
     name, values = tiers()[max(runnable)] if runnable else ("not run", None)
     plans = []
     for b in backends:
-        ms = STEP_MS[b]
         if fits[b] is None:
-            need = expected_s(ms, MIN_STEPS, MIN_STEPS // 20, PAPER["eval_batches"], contention, startup_s)
+            need = expected_s(b, MIN_STEPS, MIN_STEPS // 20, PAPER["eval_batches"], contention, startup_s)
             plans.append({"attn": b, "protocol": "not run", "values": None, "expected_s": None,
                           "why": f"{MIN_STEPS} steps need ~{need:.0f} s, the budget is {budget_s:.0f} s"})
             continue
         plans.append({"attn": b, "protocol": name, "values": values, "fits_alone": tiers()[fits[b]][0],
-                      "expected_s": round(expected_s(ms, values["steps"], values["eval_every"], values["eval_batches"],
+                      "expected_s": round(expected_s(b, values["steps"], values["eval_every"], values["eval_batches"],
                                                      contention, startup_s), 1)})
     return plans
 

@@ -44,8 +44,10 @@
 # MiTA's Triton kernels under Triton's interpreter, pip kept off the network (it fails, recorded).
 set -uo pipefail
 if [ "${DRY_RUN:-0}" = 1 ]; then
-    : "${OUT:=results/paper-listops-dry-run}" "${LIMIT_S:=300}" "${DEVICE:=cpu}" "${DATA_SIZE:=200}" "${WORKERS:=1}"
-    : "${THREADS:=1}" "${GPU_LANE_S:=150}" "${CHECK_ARGS:=--attn full,mita --kernels torch --length 64}"
+    # limits for a slow, shared CPU (a 2-core machine at load 8 takes ~4 minutes), not a GPU's
+    : "${OUT:=results/paper-listops-dry-run}" "${LIMIT_S:=900}" "${DEVICE:=cpu}" "${DATA_SIZE:=200}" "${WORKERS:=1}"
+    : "${GPU_LANE_S:=500}" "${CHECK_S:=150}" "${BENCH_S:=150}" "${PROFILE_S:=150}" "${TABLE_S:=60}"
+    : "${THREADS:=1}" "${CHECK_ARGS:=--attn full,mita --kernels torch --length 64}"
     : "${TRAIN_SET:=train.steps=2 train.warmup_steps=1 train.eval_every=1 train.eval_batches=1 train.test_batches=1 train.batch_size=4 train.checkpoint_every=0 model.num_layers=1 data.max_len=128}"
     : "${BENCH_LENGTH:=64}" "${PROFILE_LENGTH:=64}" "${PROFILE_BATCH:=1}" "${LISTOPS_LENGTH:=64}" "${LISTOPS_BATCH:=2}"
     : "${MODEL_ARGS:=--layers 1 --width 32 --ffn-dim 32 --heads 2 --warmup 0}" "${BENCH_ARGS:=--batch 1 --repeats 1 --gemm-size 0}"
@@ -167,6 +169,7 @@ if (( data_rc != 0 )); then
 elif step plan 30 python3 scripts/gpu_paper_plan.py plan --budget-s "$(( budget > 1 ? budget : 1 ))" \
         --backends "$BACKENDS" --extra-set "$sets" --out "$OUT" $PLAN_ARGS; then
     t0=$SECONDS
+    : > "$OUT/train-exit.tsv"
     train_parallel "$(( budget > 1 ? budget : 1 ))"
     note train "$(grep -c $'\t0$' "$OUT/train-exit.tsv" || true) of $(wc -l < "$OUT/train-exit.tsv") completed" \
         "$((SECONDS - t0))" "train_parallel: $OUT/train-exit.tsv"

@@ -52,7 +52,7 @@ def test_dry_run_runs_every_step(tmp_path: Path) -> None:
         profile = json.loads((out / folder / "profile.json").read_text())
         assert [p["backend"] for p in profile["points"]] == backends
     accuracy = (out / "tables" / "accuracy.md").read_text()
-    assert all(f"| {attn} |" in accuracy or attn in accuracy for attn in BACKENDS)
+    assert all(f"| {attn} | this suite | preset paper | 1 |" in accuracy for attn in BACKENDS)
     summary = (out / "summary.md").read_text()
     for attn in BACKENDS:
         assert f"| {attn} | {plan['runs'][0]['protocol']} | completed | 2 of 2 |" in summary

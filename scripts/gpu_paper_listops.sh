@@ -38,7 +38,8 @@
 #   training's evaluations (every 250 steps, not 50), then its steps (all backends alike, to 500);
 #   the data, the device check and the 64K bench are never cut, only stopped at their limits.
 #
-# DRY_RUN=1 runs every step on the CPU in about a minute (tests/test_gpu_paper_listops.py): 200
+# DRY_RUN=1 runs every step on the CPU (tests/test_gpu_paper_listops.py; ~130 s of CPU time in ~20
+# Python processes: 160-265 s on a shared 2-core machine at load 5-8): 200
 # generated examples cut to 128 tokens, runs of 2 steps on a 1-layer model, the device check on
 # full and MiTA (PyTorch kernel) at N=64, the bench and the profile at N=64 on a tiny model with
 # MiTA's Triton kernels under Triton's interpreter, pip kept off the network (it fails, recorded).
@@ -170,6 +171,8 @@ elif step plan 30 python3 scripts/gpu_paper_plan.py plan --budget-s "$(( budget 
         --backends "$BACKENDS" --extra-set "$sets" --out "$OUT" $PLAN_ARGS; then
     t0=$SECONDS
     : > "$OUT/train-exit.tsv"
+    # the limit from now: the plan's own seconds come off it
+    budget=$(( $(left) - TABLE_S - 15 ))
     train_parallel "$(( budget > 1 ? budget : 1 ))"
     note train "$(grep -c $'\t0$' "$OUT/train-exit.tsv" || true) of $(wc -l < "$OUT/train-exit.tsv") completed" \
         "$((SECONDS - t0))" "train_parallel: $OUT/train-exit.tsv"

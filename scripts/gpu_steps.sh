@@ -44,7 +44,7 @@ step() {
     if (( limit < 1 )); then
         note "$name" "not run" 0 "no time left of the script's limit"; echo "== $name: not run, no time left"; return 1
     fi
-    echo "== $name (limit ${limit}s): $*"
+    echo "== $name (limit ${limit}s): $(detail "$@")"
     local t0=$SECONDS rc state
     timeout -k 10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
     rc=$?

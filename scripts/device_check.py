@@ -21,6 +21,10 @@ Backends with a ``kernel`` option (MiTA, MoBA) get one row per kernel, ``mita[to
 rows run only under Triton's interpreter (TRITON_INTERPRET=1, set before Python starts) and are
 skipped otherwise; the ``cpu`` rows (the C kernel) run on the CPU only.
 
+On CUDA with flash-attn installed, full attention's flash-attn varlen path (the one the trainer
+takes for padded batches) is checked against float64 masked math at --flash-length; the record says
+why it was skipped elsewhere.
+
 ``--device cpu`` runs the same comparison on the CPU, which is how the test suite exercises this
 script without an accelerator. CPU autocast keeps softmax, exp, sum and the other reductions in
 bf16 where CUDA autocast computes them in float32, so on the CPU the check adds CUDA's float32 rule
@@ -206,6 +210,37 @@ def sdpa_flash_check(device: torch.device, n: int) -> Dict[str, object]:
             "status": "PASS" if float(err.max()) <= TOLERANCE["bf16"] else "FAIL"}
 
 
+def flash_varlen_check(device: torch.device, n: int) -> Dict[str, object]:
+    """Full attention's flash-attn varlen path (a padded batch unpadded into one packed sequence, as
+    the trainer runs ``full`` on a GPU when flash-attn is installed) in bf16 vs float64 masked
+    math: outputs and q/k/v gradients of every real row. Skipped, with why, where it cannot run."""
+    from attentions import full
+
+    if full.flash_attn_varlen_func is None:
+        return {"status": "SKIP", "why": "flash-attn is not installed (pip install flash-attn)"}
+    if device.type != "cuda":
+        return {"status": "SKIP", "why": "flash-attn runs on CUDA only"}
+    sizes = Sizes(batch=3, heads=4, length=n, head_dim=32)
+    mask = padding_mask(sizes)
+    gen = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(3, 4, n, 32, generator=gen, dtype=torch.float64) for _ in range(3)]
+    w = torch.randn(3, 4, n, 32, generator=gen, dtype=torch.float64) * mask[:, None, :, None]
+    got_in = [x.to(device, torch.bfloat16).requires_grad_() for x in qkv]
+    got = full.flash_varlen(*got_in, mask.to(device))
+    (got.float() * w.to(device).float()).sum().backward()
+    ref_in = [x.clone().requires_grad_() for x in qkv]
+    ref = full.reference(*ref_in, mask)
+    (ref * w).sum().backward()
+    errs = {"out": row_errors(got, ref, mask)}
+    for name, g, r in zip(("dq", "dk", "dv"), got_in, ref_in):
+        errs[name] = row_errors(g.grad, r.grad, mask)
+    worst = {name: float(e.max()) for name, e in errs.items()}
+    import flash_attn
+
+    return {"kernel": f"flash-attn {flash_attn.__version__} varlen", "length": n, "real_lengths": real_lengths(sizes),
+            "max_row_err": worst, "status": "PASS" if max(worst.values()) <= TOLERANCE["bf16"] else "FAIL"}
+
+
 def table(results: List[Dict[str, object]]) -> str:
     lines = ["| backend | fp32 out / grads max row err | bf16 out max row err | bf16 rows agreeing (out) | padding | status |",
              "|---|---|---|---|---|---|"]
@@ -231,7 +266,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="device to check (default cuda)")
     parser.add_argument("--length", type=int, default=256, help="sequence length of the comparison (default 256)")
-    parser.add_argument("--flash-length", type=int, default=4096, help="length of the SDPA-flash check on CUDA")
+    parser.add_argument("--flash-length", type=int, default=4096, help="length of the flash-kernel checks on CUDA: SDPA flash, flash-attn varlen (default 4096)")
     parser.add_argument("--attn", default="", help="comma-separated backends (default: every registered one)")
     parser.add_argument("--kernels", default="torch,triton,cpu",
                         help="kernels of the backends that have a kernel option (default torch,triton,cpu)")
@@ -266,20 +301,27 @@ def main(argv: Optional[List[str]] = None) -> int:
                 results.append({"backend": row["row"], "error": f"{type(err).__name__}: {message}"})
         print(table(results[-1:]).splitlines()[-1], flush=True)
     flash = sdpa_flash_check(device, args.flash_length) if device.type == "cuda" else None
+    varlen = flash_varlen_check(device, args.flash_length)
     record = {"hardware": hardware(device), "versions": versions(), "length": args.length,
-              "tolerance": TOLERANCE, "min_agreeing_routing": MIN_AGREEING, "backends": results, "sdpa_flash": flash}
-    flash_line = "" if flash is None else (f"SDPA flash kernel ({flash['kernel']}), N={flash['length']}, "
-                                           f"bf16 vs float64 math: max row err {flash['max_row_err']:.1e}, {flash['status']}")
-    md = table(results) + (f"\n\n{flash_line}" if flash_line else "")
-    if flash_line:
-        print(f"\n{flash_line}")
+              "tolerance": TOLERANCE, "min_agreeing_routing": MIN_AGREEING, "backends": results, "sdpa_flash": flash,
+              "flash_varlen": varlen}
+    flash_lines = [] if flash is None else [f"SDPA flash kernel ({flash['kernel']}), N={flash['length']}, "
+                                            f"bf16 vs float64 math: max row err {flash['max_row_err']:.1e}, {flash['status']}"]
+    if varlen["status"] == "SKIP":
+        flash_lines.append(f"flash-attn varlen (full attention, padded batch): skipped: {varlen['why']}")
+    else:
+        flash_lines.append(f"{varlen['kernel']} (full attention, padded batch, real lengths {varlen['real_lengths']}), "
+                           f"bf16 vs float64 math: max row err out {varlen['max_row_err']['out']:.1e}, grads "
+                           f"{max(varlen['max_row_err'][g] for g in ('dq', 'dk', 'dv')):.1e}, {varlen['status']}")
+    md = table(results) + "".join(f"\n\n{line}" for line in flash_lines)
+    print("".join(f"\n{line}" for line in flash_lines))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "check.json").write_text(json.dumps(record, indent=1))
         (out / "check.md").write_text(md + "\n")
     failed = [r["backend"] for r in results if "error" in r or "FAIL" in json.dumps(r)]
-    return 1 if failed or (flash is not None and flash["status"] == "FAIL") else 0
+    return 1 if failed or (flash is not None and flash["status"] == "FAIL") or varlen["status"] == "FAIL" else 0
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 #   3. lra-bench model (the MiTA paper's setup): full vs MiTA on the Triton kernels
 #   4. scripts/profile_step.py: where MiTA's step time goes, by operator and kernel (model level at
 #      PROFILE_LENGTH x PROFILE_BATCH, the batch the sweep picks at 64K; attention level at batch 1)
-# Each step has its own time limit and writes what it measured even when a later step fails.
+# Each step has its own time limit and writes what it measured even when a later step fails;
+# status.tsv has one line per step (ok, failed, stopped at its limit), gpu.txt the machine.
 #   RESULTS=results/gpu bash scripts/gpu_kernels.sh
 # ATTN_LENGTHS / MODEL_LENGTHS / PROFILE_LENGTH / PROFILE_BATCH / DEVICE / LIMIT_S shrink it for a trial
 # run on the CPU (the Triton steps then need TRITON_INTERPRET=1).
@@ -17,17 +18,11 @@ PROFILE_LENGTH=${PROFILE_LENGTH:-64k}
 PROFILE_BATCH=${PROFILE_BATCH:-32}
 DEVICE=${DEVICE:-cuda}
 LIMIT_S=${LIMIT_S:-150}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-mkdir -p "$RESULTS"
-step() {  # step NAME LIMIT_S COMMAND...: run with a limit, log to $RESULTS/NAME.log
-    local name=$1 limit=$2; shift 2
-    echo "== $name: $*"
-    timeout "$limit" "$@" > "$RESULTS/$name.log" 2>&1
-    echo "== $name: exit $? after ${SECONDS}s"; tail -n 25 "$RESULTS/$name.log"
-}
-bench=(python3 -c "import sys; from lra.bench.cli import main; sys.exit(main(sys.argv[1:]))")
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+LOGS="$RESULTS" STATUS="$RESULTS/status.tsv"
+mkdir -p "$RESULTS" && : > "$STATUS" || exit 2
+source "$(dirname "$0")/gpu_steps.sh"
+bench=("${LRA[@]}" lra-bench)
+machine "$RESULTS/gpu.txt"
 step check "$LIMIT_S" python3 scripts/device_check.py --device "$DEVICE" --out "$RESULTS/device-check"
 common=(--lengths "$ATTN_LENGTHS" --device "$DEVICE" --budget-s 60 --repeats 3 --quiet --no-plot)
 step attn-torch "$LIMIT_S" "${bench[@]}" attention --attn full,mita,moba "${common[@]}" --out "$RESULTS/attention-torch"

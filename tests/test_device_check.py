@@ -33,6 +33,13 @@ def test_every_backend_passes_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixtu
         assert backend["fp32"]["out"]["max_row_err"] < 1e-5
         assert backend["bf16"]["out"]["median_row_err"] > 0
     assert "| mita[torch] |" in (tmp_path / "check.md").read_text()
+    # flash-attn's varlen path runs on CUDA only: the record and the table say why it did not run
+    from attentions import full
+
+    why = "flash-attn runs on CUDA only" if full.flash_attn_varlen_func is not None else \
+        "flash-attn is not installed (pip install flash-attn)"
+    assert record["flash_varlen"] == {"status": "SKIP", "why": why}
+    assert f"flash-attn varlen (full attention, padded batch): skipped: {why}" in (tmp_path / "check.md").read_text()
 
 
 def test_triton_rows_run_under_the_interpreter_and_are_skipped_without_it(

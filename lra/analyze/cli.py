@@ -113,3 +113,7 @@ def run_tokens(args: argparse.Namespace) -> int:
 
 def entry() -> None:
     console("lra-analyze", main)
+
+
+if __name__ == "__main__":
+    entry()

@@ -236,3 +236,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def entry() -> None:
     console("lra-bench", main)
+
+
+if __name__ == "__main__":
+    entry()

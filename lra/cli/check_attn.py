@@ -67,3 +67,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def entry() -> None:
     console("lra-check-attn", main)
+
+
+if __name__ == "__main__":
+    entry()

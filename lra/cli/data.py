@@ -77,3 +77,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def entry() -> None:
     console("lra-data", main)
+
+
+if __name__ == "__main__":
+    entry()

@@ -119,3 +119,7 @@ def mask_warning(attn: str) -> str:
 
 def entry() -> None:
     console("lra-run", main)
+
+
+if __name__ == "__main__":
+    entry()

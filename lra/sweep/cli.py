@@ -245,3 +245,7 @@ def entry() -> None:
     from ..cli import console
 
     console("lra-sweep", main)
+
+
+if __name__ == "__main__":
+    entry()

@@ -234,3 +234,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def entry() -> None:
     console("lra-table", main)
+
+
+if __name__ == "__main__":
+    entry()

@@ -317,7 +317,7 @@ def finish(run: Run, state: TrainState, status: str, message: str) -> Record:
     if run.d.main:
         if status == "completed":
             ckpt.save_checkpoint(run.run_dir / "best_model.pt", state.best_model)
-        write_json_atomic(run.run_dir / "record.json", record.to_dict())
+        write_json_atomic(run.run_dir / "record.json", record.to_dict(), ckpt.RESUME)
         # after the record: a kill in between leaves a finished folder, never a checkpoint-less unfinished one
         if status == "completed":
             (run.run_dir / "checkpoint.pt").unlink(missing_ok=True)

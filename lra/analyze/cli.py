@@ -17,7 +17,9 @@ import numpy as np
 from attentions import load_attention_module
 
 from ..cli import Parser, console
+from ..config import MAX_BATCH
 from ..errors import UserError
+from ..files import check_folder_arg
 from ..finished import read_finished
 from ..tables.format import markdown, write_tables
 
@@ -59,8 +61,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
     for path in args.attn_module:
         load_attention_module(path)
-    if args.batch_size is not None and args.batch_size < 1:
-        raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.batch_size is not None and not 1 <= args.batch_size <= MAX_BATCH:
+        raise UserError(f"--batch-size must be 1 to {MAX_BATCH:,}, got {args.batch_size}")
+    if args.out:
+        check_folder_arg(args.out, "--out")
     return run_budget(args) if args.command == "budget" else run_tokens(args)
 
 

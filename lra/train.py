@@ -95,11 +95,15 @@ def batch_indices(step: int, n: int, batch: int, seed: int) -> np.ndarray:
 
 
 def claim_run_dir(cfg: RunConfig, resume: bool, d: distributed.Dist, held: contextlib.ExitStack) -> Any:
-    """Rank 0 chooses and locks the run folder (unlocked when ``held`` closes); every rank gets its path."""
-    run_dir = None
-    if d.main:
+    """Rank 0 chooses and locks the run folder (unlocked when ``held`` closes); every rank gets its path.
+    A refusal (the folder in use, say) is rank 0's one line; the other ranks end with it."""
+
+    def claim() -> Any:
         run_dir, lock = ckpt.claim_run_dir(cfg, resume)
         held.callback(lock.release)
+        return run_dir
+
+    run_dir = distributed.on_main(claim, d)
     if d.enabled:
         holder = [run_dir]
         torch.distributed.broadcast_object_list(holder, src=0)

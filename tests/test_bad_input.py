@@ -166,6 +166,16 @@ def bench_record(text: str) -> Prepare:
     return prepare
 
 
+def files(*names: str) -> Prepare:
+    """Plain files where a command is given a folder; "records/x/record.json" is an unreadable record
+    (lra-table would print a line skipping it, were it read before the arguments are checked)."""
+    def prepare(folder: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        for name in names:
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_text('{"status": ')
+    return prepare
+
+
 def pickled_object(path: Path) -> None:
     path.write_bytes(pickle.dumps(Path("not a checkpoint")))
 
@@ -210,6 +220,50 @@ CASES: Dict[str, Case] = {
     "seed-negative": Case(run_args(extra=("--seed", "-1")), "--seed must be 0 to 4,294,967,295, got -1"),
     "seed-not-a-number": Case(run_args(extra=("--seed", "x")), "argument --seed: invalid int value: 'x'"),
     "precision": Case(run_args("train.precision=fp8"), "train.precision must be auto, fp32 or bf16"),
+    # upper bounds, the valid range in the message
+    "steps-absurd": Case(run_args("train.steps=1000000000000000"), "train.steps must be 0 (evaluate the initial weights, "
+                         "no training) to 100,000,000, got 1000000000000000"),
+    "batch-absurd": Case(run_args("train.batch_size=10000000"), "train.batch_size must be 1 to 65,536, got 10000000"),
+    "warmup-absurd": Case(run_args("train.warmup_steps=1e12"), "train.warmup_steps must be 0 to 100,000,000"),
+    "max-len-absurd": Case(run_args("data.max_len=100000000"), "data.max_len must be 0 (the task's default) to 1,048,576"),
+    "size-absurd": Case(run_args("data.size=1000000000000"), "data.size must be 0 (the official size) to 10,000,000"),
+    "layers-absurd": Case(run_args("model.num_layers=100000"), "model.num_layers must be 1 to 1,024, got 100000"),
+    "dim-absurd": Case(run_args("model.dim=10000000", "model.num_heads=1"), "model.dim must be 1 to 65,536"),
+    "workers-absurd": Case(run_args("data.workers=100000"), "data.workers must be 1 to 1,024, got 100000"),
+    "threads-absurd": Case(run_args("train.threads=100000"), "train.threads must be 0 (torch's default) to 1,024"),
+    "seed-absurd": Case(run_args(extra=("--seed", str(2**64))), "--seed must be 0 to 4,294,967,295, got 18446744073709551616"),
+    # arguments checked before anything is read or written
+    "run-out-is-a-file": Case(run_args(), "--out runs is a file, not a folder", files("runs")),
+    "table-out-is-a-file": Case(["--runs", "records", "--out", "tables.md"], "--out tables.md is a file, not a folder",
+                                files("records/x/record.json", "tables.md"), prog="lra-table"),
+    "table-out-under-a-file": Case(["--runs", "records", "--out", "tables.md/new"], "--out tables.md/new: tables.md is a file",
+                                   files("records/x/record.json", "tables.md"), prog="lra-table"),
+    "table-reference-missing": Case(["--runs", "records", "--reference", "nowhere", "--out", "t"],
+                                    "--reference nowhere: no published_lra.csv there", files("records/x/record.json"),
+                                    prog="lra-table"),
+    "table-throughput-is-a-file": Case(["--runs", "records", "--throughput", "sweep.json", "--out", "t"],
+                                       "--throughput sweep.json is a file, not a folder",
+                                       files("records/x/record.json", "sweep.json"), prog="lra-table"),
+    "generate-size-absurd": Case(["generate", "listops", "--size", "1000000000000", "--data-dir", "gen"],
+                                 "--size must be 0 (official size) to 10,000,000", prog="lra-data"),
+    "generate-workers-absurd": Case(["generate", "listops", "--workers", "100000", "--data-dir", "gen"],
+                                    "--workers 1 to 1,024; got --size 0 --seed 0 --workers 100000", prog="lra-data"),
+    "generate-data-dir-is-a-file": Case(["generate", "listops", "--size", "40", "--data-dir", "gen"],
+                                        "--data-dir gen is a file, not a folder", files("gen"), prog="lra-data"),
+    "bench-length-absurd": Case(["attention", "--attn", "full", "--lengths", "1k,64m", "--out", "b"],
+                                "--lengths: '64m' is 67,108,864 tokens; the longest is 16,777,216", prog="lra-bench"),
+    "bench-batch-absurd": Case(["attention", "--attn", "full", "--lengths", "1k", "--batch", "10000000", "--out", "b"],
+                               "--batch must be 1 to 65,536, got 10000000", prog="lra-bench"),
+    "bench-repeats-absurd": Case(["attention", "--attn", "full", "--lengths", "1k", "--repeats", "1000000", "--out", "b"],
+                                 "--repeats must be 1 to 1,000, got 1000000", prog="lra-bench"),
+    "bench-budget-absurd": Case(["model", "--attn", "full", "--lengths", "1k", "--budget-s", "1e12", "--out", "b"],
+                                "--budget-s must be more than 0 and at most 604,800 (a week)", prog="lra-bench"),
+    "bench-out-is-a-file": Case(["attention", "--attn", "full", "--lengths", "1k", "--out", "b"], "--out b is a file, not a folder",
+                                files("b"), prog="lra-bench"),
+    "analyze-batch-absurd": Case(["budget", "nowhere", "--batch-size", "1000000000", "--set", "attn.topk=8"],
+                                 "--batch-size must be 1 to 65,536, got 1000000000", prog="lra-analyze"),
+    "analyze-out-is-a-file": Case(["budget", "nowhere", "--out", "a", "--set", "attn.topk=8"], "--out a is a file, not a folder",
+                                  files("a"), prog="lra-analyze"),
     "attn-yaml-tasks-list": Case(run_args(), "full.yaml: 'tasks' must be a mapping of task name to options, got list",
                                  attn_yaml("tasks: [listops, text]\n")),
     "attn-yaml-task-section-list": Case(run_args(), "full.yaml: 'tasks.listops' must be a mapping",

@@ -224,7 +224,7 @@ CASES: Dict[str, Case] = {
     "steps-absurd": Case(run_args("train.steps=1000000000000000"), "train.steps must be 0 (evaluate the initial weights, "
                          "no training) to 100,000,000, got 1000000000000000"),
     "batch-absurd": Case(run_args("train.batch_size=10000000"), "train.batch_size must be 1 to 65,536, got 10000000"),
-    "warmup-absurd": Case(run_args("train.warmup_steps=1e12"), "train.warmup_steps must be 0 to 100,000,000"),
+    "warmup-absurd": Case(run_args("train.warmup_steps=1000000000000"), "train.warmup_steps must be 0 to 100,000,000"),
     "max-len-absurd": Case(run_args("data.max_len=100000000"), "data.max_len must be 0 (the task's default) to 1,048,576"),
     "size-absurd": Case(run_args("data.size=1000000000000"), "data.size must be 0 (the official size) to 10,000,000"),
     "layers-absurd": Case(run_args("model.num_layers=100000"), "model.num_layers must be 1 to 1,024, got 100000"),

@@ -145,7 +145,8 @@ def render_all(folder: Path, p: Params, seed: int, workers: int, sizes: List[int
             remaining[batch] -= len(lines)
             bar.update(len(lines))
             if remaining[batch] == 0:
-                write_metadata(folder, batch, pending.pop(batch))
+                write_metadata(folder, batch, pending[batch])
+                del pending[batch]
     except (OSError, WriteError) as err:
         # a full disk: the unfinished batches' images go (no partial PNG is left), finished batches stay
         for batch in pending:

@@ -131,9 +131,7 @@ def quiet_bars(quiet: bool) -> Iterator[None]:
 
 
 def bars_off() -> bool:
-    """No bar under ``quiet_bars(True)``, nor when stderr is not a terminal (a log, a pipe): there a bar
-    is only lines of carriage returns in front of the line that matters."""
-    return _QUIET[0] or not sys.stderr.isatty()
+    return _QUIET[0]
 
 
 _TASKS: Dict[str, Type[Task]] = {}

@@ -136,7 +136,9 @@ def render_all(folder: Path, p: Params, seed: int, workers: int, sizes: List[int
     todo = list(jobs(folder, p, seed, sizes, workers))
     pending = {b: [] for b in {job[3] for job in todo}}
     remaining = {b: sizes[b] for b in pending}
-    bar = tqdm(total=sum(job[5] - job[4] for job in todo), desc=f"pathfinder{p.window}", unit="img", disable=bars_off())
+    bar = tqdm(total=sum(job[5] - job[4] for job in todo), desc=f"pathfinder{p.window}", unit="img",
+               # None: tqdm's own choice, a bar on a terminal only (not in a log in front of an error line)
+               disable=True if bars_off() else None)
     pool = Pool(workers) if workers > 1 and len(todo) > 1 else None
     try:
         results = pool.imap(render_chunk, todo) if pool else map(render_chunk, todo)

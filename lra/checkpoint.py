@@ -25,7 +25,7 @@ import torch
 
 from .config import RunConfig
 from .errors import UserError
-from .files import write_atomic, write_json_atomic
+from .files import WriteError, write_atomic, write_json_atomic
 from .lock import FolderLock, remove_temporaries
 
 RUN_FILES = ("config.json", "checkpoint.pt", "metrics.jsonl", "record.json", "best_model.pt")
@@ -65,6 +65,8 @@ class TrainState:
 
 # the state keys a checkpoint must hold (commits is optional)
 STATE_KEYS = tuple(f.name for f in fields(TrainState) if f.name != "commits")
+# what to do when a file of the run folder cannot be written
+RESUME = "the run stopped; free some space and run the same command again to continue it (from its last checkpoint, if any)"
 BUSY = "{folder} is in use by another lra-run (pid {pid}); wait for it to end or stop it, then run the command again"
 
 
@@ -164,7 +166,7 @@ def claim_run_dir(cfg: RunConfig, resume: bool) -> Tuple[Path, FolderLock]:
 
 
 def save_checkpoint(path: Path, state: Dict[str, Any]) -> None:
-    write_atomic(path, lambda f: torch.save(state, f))
+    write_atomic(path, lambda f: torch.save(state, f), RESUME)
 
 
 def read_torch_file(path: Path, what: str, advice: str) -> Any:
@@ -221,23 +223,33 @@ def restore_weights(path: Path, saved: Dict[str, Any], model: torch.nn.Module, o
 
 
 def write_config(folder: Path, cfg: RunConfig) -> None:
-    write_json_atomic(folder / "config.json", cfg.to_dict())
+    write_json_atomic(folder / "config.json", cfg.to_dict(), RESUME)
 
 
 def open_metrics(path: Path, covered: Optional[int]) -> IO[bytes]:
     """metrics.jsonl, open for appending: cut back to the ``covered`` bytes a checkpoint vouches for,
     or (no checkpoint) started afresh, dropping whatever a killed earlier attempt logged."""
+    # unbuffered: a line that does not fit on the disk fails in append_metric, not at a later flush
     if covered is None:
-        return open(path, "wb")
+        return open(path, "wb", buffering=0)
     size = path.stat().st_size if path.exists() else 0
     if size < covered:
         raise UserError(f"{path} holds {size} bytes but the checkpoint covers the first {covered}: the log was "
                         "cut or replaced; delete the run folder to start over")
     os.truncate(path, covered)
-    return open(path, "ab")
+    return open(path, "ab", buffering=0)
 
 
 def append_metric(log: IO[bytes], row: Dict[str, Any]) -> None:
-    """One line of metrics.jsonl, flushed: a kill loses at most the line being written."""
-    log.write((json.dumps(row) + "\n").encode())
-    log.flush()
+    """One line of metrics.jsonl, written through: a kill loses at most the line being written, and a
+    line that does not fit on the disk is cut off again (the log ends with its last whole line) and
+    raised as a WriteError."""
+    line = memoryview((json.dumps(row) + "\n").encode())
+    start = log.tell()
+    try:
+        while line:
+            line = line[log.write(line):]
+    except OSError as err:
+        os.ftruncate(log.fileno(), start)
+        log.seek(start)
+        raise WriteError(Path(log.name), err, RESUME) from None

@@ -299,34 +299,55 @@ def _at_least(low: float) -> Callable[[Any], bool]:
     return lambda v: _finite(v) and v >= low
 
 
+def _within(low: float, high: float) -> Callable[[Any], bool]:
+    return lambda v: _finite(v) and low <= v <= high
+
+
 def _positive(v: float) -> bool:
     return _finite(v) and v > 0
 
 
+# upper bounds: far past any real run, low enough that a typo (an extra six zeros) is refused before
+# the data are made, not hours into a run or at an overflow deep inside torch
+MAX_STEPS = 100_000_000
+MAX_BATCH = 65_536
+# the longest sequence lra-bench measures is 1M tokens; LRA's longest task (Path-X) is 16K
+MAX_LEN = 1 << 20
+MAX_SIZE = 10_000_000
+MAX_SEED = 2**32 - 1
+MAX_WIDTH = 65_536
+MAX_LAYERS = 1_024
+MAX_PROCESSES = 1_024
+
+
+def _upto(high: int, low_text: str) -> str:
+    return f"{low_text} to {high:,}"
+
+
 # (value, test, what is valid): every number a run reads, checked when the config is resolved
 RANGES: List[Tuple[str, Callable[[Any], bool], str]] = [
-    ("--seed", _at_least(0), "0 or more"),
-    ("model.num_layers", _at_least(1), "at least 1"),
-    ("model.dim", _at_least(1), "at least 1"),
-    ("model.num_heads", _at_least(1), "at least 1"),
-    ("model.ffn_dim", _at_least(1), "at least 1"),
+    ("--seed", _within(0, MAX_SEED), _upto(MAX_SEED, "0")),
+    ("model.num_layers", _within(1, MAX_LAYERS), _upto(MAX_LAYERS, "1")),
+    ("model.dim", _within(1, MAX_WIDTH), _upto(MAX_WIDTH, "1")),
+    ("model.num_heads", _within(1, MAX_WIDTH), _upto(MAX_WIDTH, "1")),
+    ("model.ffn_dim", _within(1, 16 * MAX_WIDTH), _upto(16 * MAX_WIDTH, "1")),
     ("model.dropout", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
-    ("train.steps", _at_least(0), "0 (evaluate the initial weights, no training) or more"),
-    ("train.batch_size", _at_least(1), "at least 1"),
+    ("train.steps", _within(0, MAX_STEPS), _upto(MAX_STEPS, "0 (evaluate the initial weights, no training)")),
+    ("train.batch_size", _within(1, MAX_BATCH), _upto(MAX_BATCH, "1")),
     ("train.lr", _positive, "a positive, finite number"),
     ("train.weight_decay", _at_least(0), "0 or more, finite"),
-    ("train.warmup_steps", _at_least(0), "0 or more"),
-    ("train.eval_every", _at_least(1), "at least 1"),
-    ("train.eval_batches", _at_least(0), "0 (all) or more"),
-    ("train.test_batches", _at_least(0), "0 (all) or more"),
+    ("train.warmup_steps", _within(0, MAX_STEPS), _upto(MAX_STEPS, "0")),
+    ("train.eval_every", _within(1, MAX_STEPS), _upto(MAX_STEPS, "1")),
+    ("train.eval_batches", _within(0, MAX_STEPS), _upto(MAX_STEPS, "0 (all)")),
+    ("train.test_batches", _within(0, MAX_STEPS), _upto(MAX_STEPS, "0 (all)")),
     ("train.grad_clip", _at_least(0), "0 (off) or more, finite"),
-    ("train.log_every", _at_least(1), "at least 1"),
-    ("train.checkpoint_every", _at_least(0), "0 (only at the end) or more"),
-    ("train.threads", _at_least(0), "0 (torch's default) or more"),
-    ("data.max_len", _at_least(0), "0 (the task's default) or more"),
-    ("data.size", _at_least(0), "0 (the official size) or more"),
-    ("data.seed", _at_least(0), "0 or more"),
-    ("data.workers", _at_least(1), "at least 1"),
+    ("train.log_every", _within(1, MAX_STEPS), _upto(MAX_STEPS, "1")),
+    ("train.checkpoint_every", _within(0, MAX_STEPS), _upto(MAX_STEPS, "0 (only at the end)")),
+    ("train.threads", _within(0, MAX_PROCESSES), _upto(MAX_PROCESSES, "0 (torch's default)")),
+    ("data.max_len", _within(0, MAX_LEN), _upto(MAX_LEN, "0 (the task's default)")),
+    ("data.size", _within(0, MAX_SIZE), _upto(MAX_SIZE, "0 (the official size)")),
+    ("data.seed", _within(0, MAX_SEED), _upto(MAX_SEED, "0")),
+    ("data.workers", _within(1, MAX_PROCESSES), _upto(MAX_PROCESSES, "1")),
 ]
 
 

@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from .errors import UserError
+from .files import WriteError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -32,7 +38,17 @@ def setup(device: torch.device) -> Dist:
     if world <= 1:
         return Dist()
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if restart == "0":
+            dist.init_process_group(backend=backend)
+        else:
+            # an elastic restart (torchrun --max-restarts) reuses torchrun's store, which still holds the
+            # addresses the workers of the attempt before published under the same keys; gloo may read
+            # those and fail ("connectFullMesh failed ... Connection refused") or wait: keys of its own
+            store, rank, world = next(dist.rendezvous("env://"))
+            dist.init_process_group(backend=backend, store=dist.PrefixStore(f"lra-attempt-{restart}", store),
+                                    rank=rank, world_size=world)
     return Dist(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
 
 
@@ -51,11 +67,37 @@ def any_flag(flag: bool, d: Dist, device: torch.device) -> bool:
     return bool(all_sum(torch.tensor([float(flag)], device=device), d).item() > 0)
 
 
-def barrier(d: Dist) -> None:
-    if d.enabled:
-        dist.barrier()
-
-
 def teardown(d: Dist) -> None:
     if d.enabled and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_status(err: Optional[BaseException]) -> int:
+    """The status lra-run exits with on ``err`` (0: none): 2 bad input, 1 a run stopped, 130 Ctrl-C."""
+    if err is None:
+        return 0
+    if isinstance(err, KeyboardInterrupt):
+        return 130
+    return 2 if isinstance(err, UserError) and not isinstance(err, WriteError) else 1
+
+
+def on_main(fn: Callable[[], T], d: Dist) -> Optional[T]:
+    """``fn()`` on rank 0 only (None on the others, which wait for it). When it raises, rank 0 raises
+    it (its one error line says why) and the other ranks exit at once with the same status and no
+    word of their own, instead of waiting in their next collective or failing on a lost connection."""
+    if not d.enabled:
+        return fn()
+    result: Optional[T] = None
+    failure: Optional[BaseException] = None
+    if d.main:
+        try:
+            result = fn()
+        except BaseException as err:  # noqa: BLE001 - re-raised below, once the others know
+            failure = err
+    status = [exit_status(failure)]
+    dist.broadcast_object_list(status, src=0)
+    if failure is not None:
+        raise failure
+    if status[0]:
+        raise SystemExit(status[0])
+    return result

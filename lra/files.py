@@ -1,5 +1,6 @@
 """Files: where the package's own data lives, and the one atomic writer every result, checkpoint,
-table and generated file goes through (a kill never leaves half a file; permissions as a plain open)."""
+table and generated file goes through (a kill never leaves half a file, a full disk gives one line
+naming the file and leaves the old one; permissions as a plain open)."""
 from __future__ import annotations
 
 import json
@@ -8,9 +9,12 @@ import tempfile
 from datetime import datetime
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Union
+from typing import IO, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from .errors import UserError
+
+# what an atomic writer writes: bytes, or a function that writes to a binary file object
+Data = Union[bytes, Callable[[Any], None]]
 
 
 def package_data(name: str) -> Path:
@@ -28,37 +32,106 @@ def plain_mode(folder: bool = False) -> int:
     return (0o777 if folder else 0o666) & ~umask
 
 
-def write_atomic(path: Path, data: Union[bytes, Callable[[Any], None]]) -> None:
-    """Write ``data`` (bytes, or a function that writes to a binary file object) to a temporary file
-    in the same folder, then rename it to ``path``: a kill leaves the old file or the new, never half."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+class WriteError(UserError):
+    """A file could not be written (a full disk, a quota, a folder that became read-only): the message
+    names the file and the cause. The file as it was stays, and no temporary file is left. lra-run
+    exits with status 1 on it (its run stopped), every other command with status 2."""
+
+    def __init__(self, path: Union[str, Path], err: Union[OSError, str], advice: str = "") -> None:
+        self.path = Path(path)
+        # the cause: an OSError's text ("No space left on device"), or that of an earlier WriteError
+        self.strerror = err if isinstance(err, str) else (err.strerror or type(err).__name__)
+        advice = advice or f"{self.path.name} is left as it was; free some space there and run the command again"
+        super().__init__(f"cannot write {self.path}: {self.strerror}; {advice}")
+
+
+class _Noting:
+    """A binary file whose ``write`` keeps the OSError it raised: torch.save turns that error into an
+    unrelated RuntimeError of its zip writer, and the error a user needs is the first one."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f = f
+        self.error: Optional[OSError] = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def write_atomic_set(files: Sequence[Tuple[Path, Data]], advice: str = "") -> None:
+    """Write every ``(path, data)`` to a temporary file beside it, then rename them into place in the
+    given order: either all are replaced or (a write failed) none, with no temporary file left.
+    ``data`` is bytes or a function that writes to a binary file object. A failed write is a WriteError
+    (``advice``: what its message tells the user to do; by default, free space and run again)."""
+    written: List[Tuple[str, Path]] = []
     try:
-        with os.fdopen(fd, "wb") as f:
-            if isinstance(data, (bytes, bytearray)):
-                f.write(data)
-            else:
-                data(f)
-        os.chmod(tmp, plain_mode())
-        os.replace(tmp, path)
+        for path, data in files:
+            path = Path(path)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+            except OSError as err:
+                raise WriteError(path, err, advice) from None
+            written.append((tmp, path))
+            noting: Optional[_Noting] = None
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    if isinstance(data, (bytes, bytearray)):
+                        f.write(data)
+                    else:
+                        noting = _Noting(f)
+                        data(noting)
+                os.chmod(tmp, plain_mode())
+            except Exception as err:
+                cause = err if isinstance(err, OSError) else (noting.error if noting is not None else None)
+                if cause is None:
+                    raise
+                raise WriteError(path, cause, advice) from None
+        for tmp, path in written:
+            os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for tmp, _ in written:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
         raise
 
 
-def write_json_atomic(path: Path, data: Dict[str, Any]) -> None:
+def write_atomic(path: Path, data: Data, advice: str = "") -> None:
+    """Write ``data`` (bytes, or a function that writes to a binary file object) to a temporary file
+    in the same folder, then rename it to ``path``: a kill leaves the old file or the new, never half;
+    a full disk leaves the old one and raises WriteError."""
+    write_atomic_set([(path, data)], advice)
+
+
+def write_json_atomic(path: Path, data: Dict[str, Any], advice: str = "") -> None:
     """``data`` as indented JSON, written atomically."""
-    write_atomic(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
+    write_atomic(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode(), advice)
 
 
 def output_folder(given: Optional[str], default: str) -> Path:
     """A command's --out folder, made: ``given``, else ``default``-<date>-<time>; a folder that cannot be
     made is a UserError."""
     out = Path(given or f"{default}-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    check_folder_arg(out, "--out")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UserError(f"--out {out}: cannot create the folder ({err.strerror})")
     return out
+
+
+def check_folder_arg(path: Union[str, Path], flag: str) -> None:
+    """A folder argument that names an existing file is a UserError (checked before a command reads or
+    writes anything); a missing folder is fine: the command makes it."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} {path} is a file, not a folder; give a folder (it is made when missing)")
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise UserError(f"{flag} {path}: {parent} is a file, not a folder; give a folder (it is made when missing)")

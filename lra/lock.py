@@ -46,8 +46,12 @@ class FolderLock:
                 print(note.format(folder=self.folder, pid=pid), file=sys.stderr)
             fcntl.flock(fd, fcntl.LOCK_EX)
             waited = True
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            # a full disk: the lock holds all the same; only the holder's pid goes unnamed ("unknown")
+            pass
         self.fd = fd
         return waited
 

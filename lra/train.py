@@ -97,11 +97,15 @@ def batch_indices(step: int, n: int, batch: int, seed: int) -> np.ndarray:
 
 
 def claim_run_dir(cfg: RunConfig, resume: bool, d: distributed.Dist, held: contextlib.ExitStack) -> Any:
-    """Rank 0 chooses and locks the run folder (unlocked when ``held`` closes); every rank gets its path."""
-    run_dir = None
-    if d.main:
+    """Rank 0 chooses and locks the run folder (unlocked when ``held`` closes); every rank gets its path.
+    A refusal (the folder in use, say) is rank 0's one line; the other ranks end with it."""
+
+    def claim() -> Any:
         run_dir, lock = ckpt.claim_run_dir(cfg, resume)
         held.callback(lock.release)
+        return run_dir
+
+    run_dir = distributed.on_main(claim, d)
     if d.enabled:
         holder = [run_dir]
         torch.distributed.broadcast_object_list(holder, src=0)
@@ -325,7 +329,7 @@ def finish(run: Run, state: TrainState, status: str, message: str) -> Record:
     if run.d.main:
         if status == "completed":
             ckpt.save_checkpoint(run.run_dir / "best_model.pt", state.best_model)
-        write_json_atomic(run.run_dir / "record.json", record.to_dict())
+        write_json_atomic(run.run_dir / "record.json", record.to_dict(), ckpt.RESUME)
         # after the record: a kill in between leaves a finished folder, never a checkpoint-less unfinished one
         if status == "completed":
             (run.run_dir / "checkpoint.pt").unlink(missing_ok=True)

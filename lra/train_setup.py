@@ -100,9 +100,8 @@ def setup(cfg: RunConfig, quiet: bool) -> Run:
         raise UserError(f"attention {cfg.attn!r} cannot honour a padding mask, and task {cfg.task!r} is padded")
     check_augment(tc.augment, spec)
     with quiet_bars(quiet):
-        splits = task.load(cfg.data) if d.main else None
-        distributed.barrier(d)
-        splits = splits or task.load(cfg.data)
+        # rank 0 generates or caches the data first; a problem with them is its one line
+        splits = distributed.on_main(lambda: task.load(cfg.data), d) or task.load(cfg.data)
     max_len = task.max_len(cfg.data)
 
     torch.manual_seed(cfg.seed)

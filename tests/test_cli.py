@@ -145,12 +145,13 @@ def test_lra_data_generate_rerun_removes_what_a_killed_write_left(tmp_path: Path
     # and a write stopped by Ctrl-C after it made its temporary file
     from lra.tasks import listops_gen
 
-    def interrupted(rows: list, path: Path) -> None:
+    def interrupted(files: list, advice: str = "") -> None:
+        path = files[0][0]
         (path.parent / f".{path.name}.ctrlc").write_text("partial")
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(listops_gen, "write_split", interrupted)
+        patch.setattr(listops_gen, "write_atomic_set", interrupted)
         # the rows are never written: any will do (a real generation takes seconds)
         patch.setattr(listops_gen, "generate", lambda num_samples, **kwargs: [("[MAX 1 ]", 1)] * num_samples)
         assert guarded("lra-data", lambda: lra_data.main(["generate", "listops", "--size", "40", "--data-dir", str(tmp_path)])) == 130

@@ -69,13 +69,13 @@ class Killer:
             self.moment("evaluation", "before")
             return evaluate(*args)
 
-        def atomic(write: Callable[[Path, object], None]) -> Callable[[Path, object], None]:
-            def wrapped(path: Path, data: object) -> None:
+        def atomic(write: Callable[..., None]) -> Callable[..., None]:
+            def wrapped(path: Path, data: object, *advice: str) -> None:
                 # a kill inside an atomic write leaves its partial temporary file
                 leave = lambda: (path.parent / f".{path.name}.kIlLeD").write_bytes(b"\x80partial")  # noqa: E731
                 self.moment(path.name, "before")
                 self.moment(path.name, "mid", leave)
-                write(path, data)
+                write(path, data, *advice)
                 self.moment(path.name, "after")
             return wrapped
 

@@ -17,9 +17,14 @@ import numpy as np
 from attentions import load_attention_module
 
 from ..cli import Parser, console
+from ..config import MAX_BATCH, MAX_SIZE
 from ..errors import UserError
+from ..files import check_folder_arg
 from ..finished import read_finished
 from ..tables.format import markdown, write_tables
+
+# single examples drawn by `tokens` (a figure each)
+MAX_SHOW = 1_000
 
 
 class SubParser(Parser):
@@ -59,8 +64,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
     for path in args.attn_module:
         load_attention_module(path)
-    if args.batch_size is not None and args.batch_size < 1:
-        raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.batch_size is not None and not 1 <= args.batch_size <= MAX_BATCH:
+        raise UserError(f"--batch-size must be 1 to {MAX_BATCH:,}, got {args.batch_size}")
+    if args.examples is not None and not 1 <= args.examples <= MAX_SIZE:
+        raise UserError(f"--examples must be 1 to {MAX_SIZE:,}, got {args.examples}")
+    if args.command == "tokens" and not 0 <= args.show <= MAX_SHOW:
+        raise UserError(f"--show must be 0 to {MAX_SHOW:,}, got {args.show}")
+    if args.out:
+        check_folder_arg(args.out, "--out")
     return run_budget(args) if args.command == "budget" else run_tokens(args)
 
 
@@ -95,8 +106,6 @@ def run_tokens(args: argparse.Namespace) -> int:
     from .loaded import load
     from .tokens import capture, check_routed, tables
 
-    if args.show < 0:
-        raise UserError(f"--show must be 0 or more, got {args.show}")
     check_routed(read_finished(args.run_dir, f"RUN_DIR {args.run_dir}").cfg.attn)
     loaded = load(args.run_dir, args.data_dir, args.examples, args.quiet)
     sel = capture(loaded, args.batch_size or loaded.cfg.train.batch_size)

@@ -55,8 +55,6 @@ def load(path: str, data_dir: Optional[str], examples: Optional[int], quiet: boo
         if not Path(data_dir).is_dir():
             raise UserError(f"--data-dir {data_dir} is not a folder; give the folder that holds the task's files")
         cfg.data.data_dir = data_dir
-    if examples is not None and examples < 1:
-        raise UserError(f"--examples must be at least 1, got {examples}")
     weights = run.weights()
     task = get_task(cfg.task)
     with quiet_bars(quiet):

@@ -25,6 +25,7 @@ import yaml
 from attentions import build_attention, list_attentions
 
 from ..allocator import setting as allocator_setting
+from ..config import MAX_BATCH, MAX_LAYERS, MAX_PROCESSES, MAX_WIDTH
 from ..machine import meminfo_gb
 from .flops import efficiency
 from .record import read_record
@@ -32,9 +33,11 @@ from .report import markdown, plot, slopes
 from .sweep import Settings, sweep
 from ..cli import Parser, console
 from ..errors import UserError
-from ..files import output_folder
+from ..files import output_folder, write_atomic, write_atomic_set
 
 LENGTH = re.compile(r"^(\d+)([km]?)$")
+# the longest sequence a point may take: 16 times the MiTA paper's 1M
+MAX_LENGTH = 1 << 24
 DEFAULT_LENGTHS = {"attention": "1k,4k,16k,64k,256k,1m", "model": "64k,256k,1m"}
 # lra-bench model --preset NAME: defaults for the model-level flags (flags given still win).
 # "lra": the encoder of the LRA paper protocol (configs/tasks/listops.yaml: 2 layers, width 64,
@@ -51,7 +54,10 @@ def parse_length(text: str) -> int:
     if match is None or int(match.group(1)) == 0:
         raise UserError(f"--lengths: {text!r} is not a length; use positive numbers with an optional k or m "
                         "suffix (k = 1024), e.g. 1k,4k,16k,64k,256k,1m")
-    return int(match.group(1)) * {"": 1, "k": 2**10, "m": 2**20}[match.group(2)]
+    length = int(match.group(1)) * {"": 1, "k": 2**10, "m": 2**20}[match.group(2)]
+    if length > MAX_LENGTH:
+        raise UserError(f"--lengths: {text!r} is {length:,} tokens; the longest is {MAX_LENGTH:,} (16m)")
+    return length
 
 
 def parse_lengths(text: str) -> List[int]:
@@ -145,17 +151,30 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     return args
 
 
-def check_positive(args: argparse.Namespace, names: List[str]) -> None:
-    for name in names:
+# (flag, lowest, highest): whole-number flags; the highest lies far past any machine's reach, so that
+# a typo is refused at once instead of a point being started for it
+WHOLE_RANGES = [
+    ("heads", 1, 4_096), ("repeats", 1, 1_000), ("slice_queries", 1, MAX_LENGTH), ("batch", 1, MAX_BATCH),
+    ("head_dim", 1, 4_096), ("max_batch", 1, MAX_BATCH), ("layers", 1, MAX_LAYERS), ("width", 1, MAX_WIDTH),
+    ("ffn_dim", 1, 16 * MAX_WIDTH), ("warmup", 0, 1_000), ("threads", 0, MAX_PROCESSES), ("gemm_size", 0, 65_536),
+]
+# a week: a point's budget past it is a typo
+MAX_BUDGET_S = 7 * 24 * 3600.0
+
+
+def check_ranges(args: argparse.Namespace) -> None:
+    for name, low, high in WHOLE_RANGES:
         value = getattr(args, name, None)
-        if value is not None and value < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if value is not None and not low <= value <= high:
+            raise UserError(f"--{name.replace('_', '-')} must be {low} to {high:,}, got {value}")
+    if not 0 < args.budget_s <= MAX_BUDGET_S:
+        raise UserError(f"--budget-s must be more than 0 and at most {MAX_BUDGET_S:,.0f} (a week), got {args.budget_s}")
+    if args.max_mem_gb is not None and not 0 <= args.max_mem_gb <= 1 << 20:
+        raise UserError(f"--max-mem-gb must be 0 (no cap) to {1 << 20:,}, got {args.max_mem_gb}")
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    check_positive(args, ["heads", "repeats", "slice_queries", "batch", "head_dim", "max_batch", "layers", "width", "ffn_dim"])
-    if args.budget_s <= 0 or min(args.warmup, args.threads, args.gemm_size, args.max_mem_gb or 0) < 0:
-        raise UserError("--budget-s must be positive; --warmup, --threads, --gemm-size and --max-mem-gb 0 or more")
+    check_ranges(args)
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible; use --device cpu")
@@ -186,14 +205,18 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def write(record: Dict[str, Any], out: Path, with_plot: bool) -> Dict[str, Path]:
-    """record.json, table.md and throughput.png in ``out``."""
+    """record.json, table.md and throughput.png in ``out``, replaced together (a full disk: none)."""
     paths = {"record": out / "record.json", "table": out / "table.md"}
-    paths["record"].write_text(json.dumps(record, indent=1) + "\n")
-    paths["table"].write_text(markdown(record) + "\n")
+    files = [(paths["record"], record_bytes(record)), (paths["table"], (markdown(record) + "\n").encode())]
     if with_plot:
         paths["plot"] = out / "throughput.png"
-        plot(record, paths["plot"])
+        files.append((paths["plot"], plot(record)))
+    write_atomic_set(files)
     return paths
+
+
+def record_bytes(record: Dict[str, Any]) -> bytes:
+    return (json.dumps(record, indent=1) + "\n").encode()
 
 
 def rewrite(path: str, with_plot: bool) -> int:
@@ -221,7 +244,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     partial = out / "record.json"
 
     def save_partial(record: Dict[str, Any]) -> None:
-        partial.write_text(json.dumps({**record, "complete": False}, indent=1) + "\n")
+        write_atomic(partial, record_bytes({**record, "complete": False}))
 
     record = sweep(settings, quiet=args.quiet, on_point=save_partial)
     record["command"] = "lra-bench " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -14,11 +14,13 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
 import torch
 
 from ..allocator import keep_freed_memory
+from ..files import write_atomic
 from .estimate import PassThrough, add_stats, scale_stats, slice_fn
 from .measure import OverBudget, PeakMemory, cap_address_space, is_oom, measure, timed
 from .workloads import (
@@ -180,8 +182,8 @@ def child(spec_path: str) -> None:
     except Exception as err:  # noqa: BLE001 - reported to the parent as the point's error
         traceback.print_exc()
         result = {"status": "error", "message": f"{type(err).__name__}: {err}".splitlines()[0][:300]}
-    with open(spec["result_path"], "w") as f:
-        json.dump(result, f)
+    # atomic: the sweep reads it once this process has ended, and a kill must not leave half of it
+    write_atomic(Path(spec["result_path"]), json.dumps(result).encode())
 
 
 if __name__ == "__main__":

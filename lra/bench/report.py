@@ -8,7 +8,6 @@ fixed overheads weigh least.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..machine import describe
@@ -198,8 +197,10 @@ def memory_kind(record: Dict[str, Any]) -> str:
     return "peak RSS of the point's process minus its RSS before the point"
 
 
-def plot(record: Dict[str, Any], path: Path) -> None:
-    """Log-log plot of train throughput and peak memory against N; hollow markers are estimates."""
+def plot(record: Dict[str, Any]) -> bytes:
+    """Log-log plot (PNG) of train throughput and peak memory against N; hollow markers are estimates."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -234,5 +235,7 @@ def plot(record: Dict[str, Any], path: Path) -> None:
     ax_t.set_title(f"train throughput, {record['level']} level, {describe(record['hardware'])}", fontsize=9)
     ax_m.set_title("peak memory (estimated points have none: their lines are dashed)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
+    return buffer.getvalue()

@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from . import point as bench_point
+from ..files import write_atomic
 from ..machine import hardware, load_average, versions
 from .report import fmt_length
 from ..record import now
@@ -75,7 +76,7 @@ def run_child(spec: Dict[str, Any], workdir: Path) -> Dict[str, Any]:
     spec_path, result_path, log_path = workdir / "spec.json", workdir / "result.json", workdir / "point.log"
     for path in (result_path, log_path):
         path.unlink(missing_ok=True)
-    spec_path.write_text(json.dumps({**spec, "result_path": str(result_path), "log_path": str(log_path)}))
+    write_atomic(spec_path, json.dumps({**spec, "result_path": str(result_path), "log_path": str(log_path)}).encode())
     proc = child_context().Process(target=bench_point.child, args=(str(spec_path),), daemon=True)
     proc.start()
     limit = spec["budget_s"] + spec["slack_s"]

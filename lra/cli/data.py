@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from ..errors import UserError
+from ..files import check_folder_arg
 from . import Parser, console
 
 
@@ -55,7 +56,7 @@ def check_data(data_dir: Optional[str]) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
-    from ..config import DataConfig
+    from ..config import MAX_PROCESSES, MAX_SEED, MAX_SIZE, DataConfig
     from ..tasks import get_task
     from ..tasks.base import generate_task_data
 
@@ -63,9 +64,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return check_data(args.data_dir)
     if args.what not in GENERATED:
         raise UserError(f"cannot generate {args.what!r}; valid: {', '.join(GENERATED)} (the other tasks are read from files)")
-    if args.size < 0 or args.workers < 1 or args.seed < 0:
-        raise UserError("--size must be 0 (official size) or more, --seed 0 or more and --workers at least 1; "
-                        f"got --size {args.size} --seed {args.seed} --workers {args.workers}")
+    if not (0 <= args.size <= MAX_SIZE and 1 <= args.workers <= MAX_PROCESSES and 0 <= args.seed <= MAX_SEED):
+        raise UserError(f"--size must be 0 (official size) to {MAX_SIZE:,}, --seed 0 to {MAX_SEED:,} and --workers 1 to "
+                        f"{MAX_PROCESSES:,}; got --size {args.size} --seed {args.seed} --workers {args.workers}")
+    check_folder_arg(args.data_dir, "--data-dir")
     cfg = DataConfig(data_dir=args.data_dir, size=args.size, level=args.level, seed=args.seed, workers=args.workers)
     try:
         folder = generate_task_data(get_task(GENERATED[args.what]), cfg)

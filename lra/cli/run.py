@@ -9,6 +9,7 @@ from typing import List, Optional
 from attentions import list_attentions, load_attention_module
 
 from ..errors import UserError
+from ..files import WriteError, check_folder_arg
 from . import Parser, console
 
 
@@ -54,6 +55,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ..train import Interrupted, train
 
     get_task(args.task)
+    check_folder_arg(args.out, "--out")
     cfg = resolve(args.task, args.attn, args.preset, args.sets, seed=args.seed, configs=args.configs)
     # DIR/ and ./DIR name the same folder as DIR
     cfg.out = str(Path(args.out))
@@ -74,6 +76,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Interrupted as err:
         print(f"lra-run: {err}", file=sys.stderr)
         return 130
+    except WriteError as err:
+        # the run started and stopped on a file it could not write (a full disk): status 1, as a run
+        # that diverged; bad input (status 2) is refused before anything is written
+        print(f"lra-run: error: {err}", file=sys.stderr)
+        return 1
     if record["status"] != "completed":
         print(f"lra-run: run {record['status']}: {record['message']}; record: {record['run_dir']}/record.json", file=sys.stderr)
         return 1

@@ -25,7 +25,7 @@ from ..cli import Parser, console
 from ..errors import UserError
 from .efficiency import efficiency_table, published_efficiency_table
 from .format import MISSING, Table, backend_order, fmt_number, markdown, write_tables
-from ..files import package_data
+from ..files import check_folder_arg, package_data
 from .records import load_records, shown
 from .summary import AVG_TASKS, SOURCES, TITLES, Summary, grouped, summarize, task_list
 from .taxonomy import taxonomy_table
@@ -182,8 +182,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     for path in args.attn_module:
         load_attention_module(path)
     folders, out = [Path(f) for f in args.runs or ["results/runs"]], Path(args.out)
-    records, selection = load_records(folders, args.include_smoke)
+    # every argument is checked before any record is read: a bad one is the only line printed
+    check_folder_arg(out, "--out")
     reference, places = find_reference(args.reference)
+    if args.throughput is not None and Path(args.throughput).exists() and not Path(args.throughput).is_dir():
+        raise UserError(f"--throughput {args.throughput} is a file, not a folder; give the folder of lra-bench sweep records")
+    records, selection = load_records(folders, args.include_smoke)
     if reference is None:
         looked = ", ".join(map(str, places))
         print(f"lra-table: no published numbers found (looked in {looked}); tables without them", file=sys.stderr)

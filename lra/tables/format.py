@@ -10,7 +10,7 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from attentions import list_attentions
 
-from ..files import write_atomic
+from ..files import write_atomic_set
 
 MISSING = "—"
 
@@ -79,14 +79,14 @@ def csv_text(table: Table) -> str:
 
 
 def write_tables(out: Path, stem: str, tables: List[Table]) -> List[Path]:
-    """``<stem>.md`` and ``<stem>.tex`` hold every table; ``<stem>.csv`` holds the first (our results)."""
+    """``<stem>.md`` and ``<stem>.tex`` hold every table; ``<stem>.csv`` holds the first (our results).
+    The three are replaced together: a full disk leaves all three as they were."""
     files = {
         out / f"{stem}.md": "\n".join(markdown(t) for t in tables),
         out / f"{stem}.tex": "\n".join(latex(t) for t in tables),
         out / f"{stem}.csv": csv_text(tables[0]),
     }
-    for path, text in files.items():
-        write_atomic(path, text.encode("utf-8"))
+    write_atomic_set([(path, text.encode("utf-8")) for path, text in files.items()])
     return list(files)
 
 

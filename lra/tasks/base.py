@@ -26,7 +26,7 @@ from typing import Callable, ClassVar, Dict, Iterator, List, Sequence, Type
 import numpy as np
 
 from ..errors import UserError
-from ..files import plain_mode
+from ..files import WriteError, plain_mode
 from ..lock import FolderLock
 
 SPLITS = ("train", "val", "test")
@@ -246,11 +246,16 @@ def store_cache(folder: Path, splits: Dict[str, Split]) -> None:
             if leftover.is_dir():
                 shutil.rmtree(leftover, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{folder.name}."))
-        tmp.chmod(plain_mode(folder=True))
-        for s, split in splits.items():
-            for part in PARTS:
-                np.save(tmp / f"{s}.{part}.npy", getattr(split, part))
-        (tmp / CHECKSUMS).write_text(json.dumps({name: file_digest(tmp / name) for name in cache_files()}, indent=1))
+        try:
+            tmp.chmod(plain_mode(folder=True))
+            for s, split in splits.items():
+                for part in PARTS:
+                    np.save(tmp / f"{s}.{part}.npy", getattr(split, part))
+            (tmp / CHECKSUMS).write_text(json.dumps({name: file_digest(tmp / name) for name in cache_files()}, indent=1))
+        except OSError as err:
+            # a full disk: no half cache is left (the sources, and an older cache, are untouched)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise WriteError(folder, err, "no cache was stored; free some space there and run the command again") from None
         if folder.exists():
             # a damaged cache being replaced (or one another process stored meanwhile)
             old = Path(tempfile.mkdtemp(dir=root, prefix=f".{folder.name}.old."))

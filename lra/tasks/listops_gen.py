@@ -22,7 +22,7 @@ from typing import Dict, List, Tuple
 
 from tqdm import tqdm
 
-from ..files import write_atomic
+from ..files import write_atomic_set
 from ..lock import FolderLock, remove_temporaries
 from .base import bars_off
 
@@ -142,20 +142,21 @@ def split_sizes(size: int) -> Tuple[int, int, int]:
     return size, held_out, held_out
 
 
-def write_split(rows: List[Tuple[str, int]], path: Path) -> None:
-    """Write one official TSV file (header ``Source<TAB>Target``) atomically."""
+def split_text(rows: List[Tuple[str, int]]) -> bytes:
+    """One official TSV file (header ``Source<TAB>Target``)."""
     text = io.StringIO(newline="")
     writer = csv.writer(text, delimiter="\t")
     writer.writerow(["Source", "Target"])
     writer.writerows(rows)
-    write_atomic(path, text.getvalue().encode())
+    return text.getvalue().encode()
 
 
 def generate_files(folder: Path, size: int = 0, seed: int = 0, workers: int = 1) -> Path:
     """Generate and write ``basic_{train,val,test}.tsv`` into ``folder``; return the folder.
 
     Under the folder's lock: the temporary files of an earlier, killed write are removed first, and
-    a process that waited for another one writing the same set keeps that set instead of redoing it."""
+    a process that waited for another one writing the same set keeps that set instead of redoing it.
+    The three files are written together: all of them, or (a kill, a full disk) none."""
     folder.mkdir(parents=True, exist_ok=True)
     with FolderLock(folder) as lock:
         waited = lock.acquire(wait=True, note="lra: waiting for process {pid}, which is writing to {folder}")
@@ -164,8 +165,10 @@ def generate_files(folder: Path, size: int = 0, seed: int = 0, workers: int = 1)
             return folder
         n_train, n_val, n_test = split_sizes(size)
         rows = generate(n_train + n_val + n_test, seed=seed, workers=workers)
-        write_split(rows[n_train + n_val :], folder / "basic_test.tsv")
-        write_split(rows[n_train : n_train + n_val], folder / "basic_val.tsv")
         # train last: its presence marks a complete set
-        write_split(rows[:n_train], folder / "basic_train.tsv")
+        write_atomic_set([
+            (folder / "basic_test.tsv", split_text(rows[n_train + n_val :])),
+            (folder / "basic_val.tsv", split_text(rows[n_train : n_train + n_val])),
+            (folder / "basic_train.tsv", split_text(rows[:n_train])),
+        ], "no file of the set was written; free some space there and run the command again")
     return folder

@@ -18,8 +18,9 @@ from PIL import Image
 from tqdm import tqdm
 
 from ..errors import UserError
-from ..files import write_atomic
+from ..files import WriteError, write_atomic
 from ..lock import FolderLock
+from .base import bars_off
 from .pathfinder_gen import Params, render_sample
 
 BATCH = 1000
@@ -135,7 +136,9 @@ def render_all(folder: Path, p: Params, seed: int, workers: int, sizes: List[int
     todo = list(jobs(folder, p, seed, sizes, workers))
     pending = {b: [] for b in {job[3] for job in todo}}
     remaining = {b: sizes[b] for b in pending}
-    bar = tqdm(total=sum(job[5] - job[4] for job in todo), desc=f"pathfinder{p.window}", unit="img")
+    bar = tqdm(total=sum(job[5] - job[4] for job in todo), desc=f"pathfinder{p.window}", unit="img",
+               # None: tqdm's own choice, a bar on a terminal only (not in a log in front of an error line)
+               disable=True if bars_off() else None)
     pool = Pool(workers) if workers > 1 and len(todo) > 1 else None
     try:
         results = pool.imap(render_chunk, todo) if pool else map(render_chunk, todo)
@@ -144,7 +147,16 @@ def render_all(folder: Path, p: Params, seed: int, workers: int, sizes: List[int
             remaining[batch] -= len(lines)
             bar.update(len(lines))
             if remaining[batch] == 0:
-                write_metadata(folder, batch, pending.pop(batch))
+                write_metadata(folder, batch, pending[batch])
+                del pending[batch]
+    except (OSError, WriteError) as err:
+        # a full disk: the unfinished batches' images go (no partial PNG is left), finished batches stay
+        for batch in pending:
+            shutil.rmtree(folder / "imgs" / str(batch), ignore_errors=True)
+        cause = err.strerror if isinstance(err, WriteError) else err
+        raise WriteError(folder / "imgs", cause, f"{len(sizes) - len(pending)} of {len(sizes)} batches (up to {BATCH:,} "
+                         "images each) are finished and kept; free some space there and run the same command again "
+                         "to continue") from None
     finally:
         bar.close()
         if pool:

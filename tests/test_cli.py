@@ -89,6 +89,7 @@ CONSOLE_BAD = {
     "lra-table": (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     "lra-check-attn": (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     "lra-analyze": (["budget", "no-such-run", "--set", "attn.topk=8"], "no-such-run"),
+    "lra-sweep": (["status", "no-such-sweep"], "no-such-sweep: no such folder"),
 }
 
 

@@ -40,7 +40,7 @@ def sweep_status(folder: SweepFolder) -> List[RunStatus]:
     return [run_status(folder, r["key"], r["label"], queued) for r in runs]
 
 
-def run_status(folder: SweepFolder, key: str, label: str, queued: Dict[str, str]) -> RunStatus:
+def run_status(folder: SweepFolder, key: str, label: str, queued: Optional[Dict[str, str]]) -> RunStatus:
     progress = run_progress(folder, key)
     state = folder.state(key)
     if progress.kind == "completed":
@@ -50,23 +50,25 @@ def run_status(folder: SweepFolder, key: str, label: str, queued: Dict[str, str]
         return RunStatus(key, label, "diverged", f"{progress.message} ({progress.run_dir})")
     here = state.get("host") == os.uname().nodename
     job = str(state.get("job") or "")
-    if progress.kind == "running" or (state.get("status") == "running" and alive(state, here, queued)):
+    started = state.get("cluster") == "slurm" and (queued or {}).get(job) in ("RUNNING", "COMPLETING")
+    if progress.kind == "running" or started or (state.get("status") == "running" and alive(state, here, queued)):
         return RunStatus(key, label, "running", running_detail(progress, state, job))
     if state.get("status") == "failed":
         return RunStatus(key, label, "failed", f"{state.get('error') or 'no error line'} (log: {state.get('log')})")
-    if job and queued.get(job) in ("PENDING", "REQUEUED", "CONFIGURING", "REQUEUE_HOLD", "SUSPENDED"):
-        return RunStatus(key, label, "pending", f"queued as SLURM job {job} ({queued[job].lower()})")
+    if job and (queued or {}).get(job) in ("PENDING", "REQUEUED", "CONFIGURING", "REQUEUE_HOLD", "SUSPENDED"):
+        return RunStatus(key, label, "pending", f"queued as SLURM job {job} ({(queued or {})[job].lower()})")
     if progress.kind == "stopped" and progress.step:
         return RunStatus(key, label, "pending", f"stopped at step {progress.step} of {progress.steps}; the next "
                          "lra-sweep run resumes it")
     return RunStatus(key, label, "pending", "not started")
 
 
-def alive(state: Dict, here: bool, queued: Dict[str, str]) -> bool:
-    """Whether the job a state file calls running still is: its process (this machine) or its SLURM job."""
+def alive(state: Dict, here: bool, queued: Optional[Dict[str, str]]) -> bool:
+    """Whether the job a state file calls running still is: its SLURM job (when squeue answers) or its
+    process (this machine)."""
     job = str(state.get("job") or "")
-    if job and job in queued:
-        return queued[job] == "RUNNING"
+    if state.get("cluster") == "slurm" and queued is not None:
+        return queued.get(job) in ("RUNNING", "COMPLETING")
     if here:
         try:
             os.kill(int(state.get("pid", 0)), 0)
@@ -89,21 +91,28 @@ def running_detail(progress: Progress, state: Dict, job: str) -> str:
     return f"{text} on {where}"
 
 
-def cluster_jobs(job_ids: List[str]) -> Dict[str, str]:
+def cluster_jobs(job_ids: List[str]) -> Optional[Dict[str, str]]:
     """SLURM's state of each job id that squeue still lists (upper case: RUNNING, PENDING, ...), array
-    tasks as ``<array>_<task>``; {} where there is no squeue or it does not answer."""
+    tasks as ``<array>_<task>``; a job it no longer lists has ended. None where there is no squeue or
+    it does not answer (then the state files are all there is to go by)."""
     arrays = sorted({j.split("_")[0] for j in job_ids if j and j.split("_")[0].isdigit()})
     if not arrays or shutil.which("squeue") is None:
-        return {}
+        return None
     try:
-        out = subprocess.run(["squeue", "-h", "-o", "%i %T", "-j", ",".join(arrays)], capture_output=True,
-                             text=True, timeout=20).stdout
+        # squeue fails on a job id it no longer knows: one id per call would be slow, so all of them
+        # are asked for in one call, by user, and filtered here
+        proc = subprocess.run(["squeue", "-h", "-o", "%i %T", "-u", str(os.getuid())], capture_output=True,
+                              text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
-        return {}
+        return None
+    if proc.returncode != 0:
+        return None
+    out = proc.stdout
     states: Dict[str, str] = {}
+    wanted = set(arrays)
     for line in out.splitlines():
         parts = line.split()
-        if len(parts) != 2:
+        if len(parts) != 2 or parts[0].split("_")[0] not in wanted:
             continue
         # a pending array's tasks not yet started are one line: 12_[3-7%2] or 12_[1,4]
         match = re.fullmatch(r"(\d+)_\[([\d,\-]+)(?:%\d+)?\]", parts[0])

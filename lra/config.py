@@ -87,6 +87,9 @@ class DataConfig:
     size: int = 0
     # Pathfinder difficulty ("" = the task's default)
     level: str = ""
+    # MQAR: key-value pairs per sequence and vocabulary size (0 = the task's default)
+    pairs: int = 0
+    vocab: int = 0
     # seed of the data generators
     seed: int = 0
     # processes for generators
@@ -326,6 +329,8 @@ RANGES: List[Tuple[str, Callable[[Any], bool], str]] = [
     ("data.max_len", _at_least(0), "0 (the task's default) or more"),
     ("data.size", _at_least(0), "0 (the official size) or more"),
     ("data.seed", _at_least(0), "0 or more"),
+    ("data.pairs", _at_least(0), "0 (the task's default) or more"),
+    ("data.vocab", _at_least(0), "0 (the task's default) or more"),
     ("data.workers", _at_least(1), "at least 1"),
 ]
 

@@ -85,7 +85,7 @@ class DataConfig:
     max_len: int = 0
     # generated tasks: training examples to generate (0 = the official size)
     size: int = 0
-    # Pathfinder difficulty ("" = the task's default)
+    # Pathfinder difficulty, MQAR formulation ("" = the task's default)
     level: str = ""
     # MQAR: key-value pairs per sequence and vocabulary size (0 = the task's default)
     pairs: int = 0

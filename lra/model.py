@@ -52,7 +52,8 @@ class Block(nn.Module):
 
 
 class Encoder(nn.Module):
-    """Tokens [B, L] and lengths [B] -> pooled features [B, C], or every position's [B, L, C] when ``per_position``."""
+    """Tokens [B, L] (or [B, L, S], S tokens summed at each position) and lengths [B] -> pooled features
+    [B, C], or every position's [B, L, C] when ``per_position``."""
 
     def __init__(
         self, cfg: ModelConfig, attn: str, attn_options: Dict[str, Any], vocab_size: int, max_len: int, padded: bool,
@@ -74,6 +75,9 @@ class Encoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, lengths: Optional[torch.Tensor]) -> torch.Tensor:
         x = self.tokens(tokens.long())  # [B, L, C]
+        if tokens.dim() == 3:
+            # several tokens at each position (tokens [B, L, S]): their embeddings summed
+            x = x.sum(dim=2)  # [B, L, C]
         if self.cls is not None:
             x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)  # [B, 1+L, C]
             lengths = None if lengths is None else lengths + 1

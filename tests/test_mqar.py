@@ -46,6 +46,29 @@ def test_examples_keep_their_definition(shape: Shape) -> None:
         assert (tokens[rest] == 0).all()
 
 
+@pytest.mark.parametrize("pairs", [1, 8, 21], ids=["P1", "P8", "P21-full"])
+def test_one_token_examples_keep_their_definition(pairs: int) -> None:
+    one, two = Shape(length=64, pairs=pairs, vocab=64, form="one-token"), Shape(length=64, pairs=pairs, vocab=64)
+    for index in range(100):
+        tokens, labels = example(one, seed=3, split=1, index=index)
+        assert tokens.shape == (64, 2) and labels.shape == (64,)
+        keys, values = tokens[:pairs, 0], tokens[:pairs, 1]
+        assert ((keys >= 1) & (keys < 32)).all() and ((values >= 32) & (values < 64)).all()
+        assert len(set(keys.tolist())) == pairs
+        # slot 1 holds a value at the pairs' positions only
+        assert (tokens[pairs:, 1] == 0).all()
+        asked = np.flatnonzero(labels != IGNORE)
+        assert len(asked) == pairs and ((asked - pairs) % 2 == 0).all() and (asked >= pairs).all()
+        pair_of = dict(zip(keys.tolist(), values.tolist()))
+        assert all(labels[p] == pair_of[int(tokens[p, 0])] for p in asked)
+        rest = np.setdiff1d(np.arange(pairs, 64), asked)
+        assert (tokens[rest] == 0).all()
+        if pairs <= 16:
+            # the same pairs as the two-token example of that index (the query slots differ in number)
+            tokens2, _ = example(two, seed=3, split=1, index=index)
+            assert (tokens2[0 : 2 * pairs : 2] == keys).all() and (tokens2[1 : 2 * pairs : 2] == values).all()
+
+
 def test_an_example_is_a_function_of_seed_split_and_index() -> None:
     data = DataConfig(max_len=64, pairs=8, vocab=64, size=50)
     splits = get_task("mqar").load(data)
@@ -148,13 +171,32 @@ def test_generate_writes_readable_tsv(tmp_path: Path, cli) -> None:
 @pytest.mark.parametrize("args, message", [
     (["data.max_len=32", "data.pairs=9"], "9 key-value pairs do not fit in data.max_len 32"),
     (["data.max_len=64", "data.pairs=8", "data.vocab=16"], "data.vocab 16 has 7 key tokens"),
+    (["data.max_len=32", "data.pairs=11", "data.level=one-token"], "use data.pairs <= 10 or data.max_len >= 33"),
+    (["data.level=three-token"], "data.level 'three-token' is not a formulation; valid: two-token, one-token"),
     (["data.pairs=-1"], "data.pairs must be 0 (the task's default) or more"),
-], ids=["pairs-too-many", "vocab-too-small", "negative-pairs"])
+], ids=["pairs-too-many", "vocab-too-small", "one-token-pairs-too-many", "unknown-form", "negative-pairs"])
 def test_bad_input_is_one_line_exit_2(tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch, args: list, message: str) -> None:
     monkeypatch.chdir(tmp_path)
     ran = cli("lra-run", "--task", "mqar", "--attn", "full", "--preset", "smoke", "--quiet", "--set", *args)
     assert ran.code == 2 and ran.err.count("\n") == 1 and message in ran.err, ran.err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_one_token_smoke_run_sums_the_pair_embeddings(tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lra.model import Encoder
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    ran = cli("lra-run", *TINY_MQAR, "data.level=one-token", "--attn", "full", "--data-dir", "data", "--out", "runs")
+    assert ran.code == 0, ran.err
+    # the encoder's input at a position is the sum of its slots' embeddings
+    cfg = resolve("mqar", "full", "smoke", ["model.dim=16", "model.dropout=0"])
+    enc = Encoder(cfg.model, "full", {}, 32, 8, padded=False, per_position=True).eval()
+    both = torch.tensor([[[3, 20]] * 8])
+    summed = enc.tokens.weight[3] + enc.tokens.weight[20]
+    enc.tokens.weight.data[3] = summed
+    enc.tokens.weight.data[20] = 0
+    assert torch.allclose(enc(both, None), enc(torch.tensor([[3] * 8]), None), atol=1e-6)
 
 
 @pytest.mark.parametrize("args, message", [

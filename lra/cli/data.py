@@ -16,7 +16,8 @@ def parser() -> Parser:
     gen.add_argument("what", help="listops | pathfinder32 | pathx | mqar")
     gen.add_argument("--data-dir", default="data", help="where to write (default ./data; created when missing)")
     gen.add_argument("--size", type=int, default=0, help="examples to generate (default: the official size)")
-    gen.add_argument("--level", default="", help="Pathfinder difficulty: curv_baseline, curv_contour_length_9, curv_contour_length_14")
+    gen.add_argument("--level", default="", help="Pathfinder difficulty: curv_baseline, curv_contour_length_9, curv_contour_length_14; "
+                     "MQAR formulation: two-token (zoology's, the default) or one-token")
     gen.add_argument("--seed", type=int, default=0,
                      help="seed of the generator (default 0); ListOps sets other than the official size and seed 0 "
                      "go to listops_n<size>_seed<seed>/")

@@ -15,6 +15,12 @@ A sequence of length L with P pairs and vocabulary V, as zoology builds it (its 
 - the label of a query position is its key's value; every other position has IGNORE (-100), so the
   loss and the accuracy count the query positions only.
 
+That is the ``two-token`` formulation (data.level "" or two-token): a query is answered in two hops,
+matching the key, then reading the token beside it. ``one-token`` (data.level=one-token) puts each
+pair at one position, tokens [L, 2] whose two embeddings the encoder sums (slot 0: the key, query
+or filler; slot 1: the value at a pair's position, 0 elsewhere): one hop. The P pairs then take P
+positions and the query slots start after them; everything else is as above.
+
 Example i of a split is drawn from ``np.random.default_rng([data.seed, split, i])`` alone, so the same
 (data.seed, split, index) always gives the same example, whatever the split's size; nothing is read
 from or written to disk (``lra-data generate mqar`` writes examples as TSV for reading).
@@ -39,15 +45,23 @@ POWER_A = 0.01
 MAX_LEN, PAIRS, VOCAB, TRAIN_SIZE, HELD_OUT = 256, 16, 8192, 100_000, 3_000
 # the token between queries
 FILLER = 0
+# data.level: the formulation ("" = two-token, zoology's)
+FORMS = ("two-token", "one-token")
 
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """The axes of one MQAR set: sequence length, key-value pairs, vocabulary size."""
+    """The axes of one MQAR set: sequence length, key-value pairs, vocabulary size; and its formulation."""
 
     length: int
     pairs: int
     vocab: int
+    form: str = "two-token"
+
+    @property
+    def context(self) -> int:
+        """Positions the pairs take."""
+        return 2 * self.pairs if self.form == "two-token" else self.pairs
 
     @property
     def keys(self) -> int:
@@ -62,17 +76,21 @@ class Shape:
     @property
     def slots(self) -> int:
         """Query slots after the pairs."""
-        return (self.length - 2 * self.pairs) // 2
+        return (self.length - self.context) // 2
 
 
 def shape_of(data: DataConfigLike) -> Shape:
     """The data config's axes (0 = the default), checked: a bad combination is a UserError."""
-    shape = Shape(data.max_len or MAX_LEN, data.pairs or PAIRS, data.vocab or VOCAB)
+    if data.level not in ("", *FORMS):
+        raise UserError(f"mqar: data.level {data.level!r} is not a formulation; valid: {', '.join(FORMS)} "
+                        "(\"\" = two-token, zoology's)")
+    shape = Shape(data.max_len or MAX_LEN, data.pairs or PAIRS, data.vocab or VOCAB, data.level or FORMS[0])
     length, pairs, vocab = shape.length, shape.pairs, shape.vocab
-    if 4 * pairs > length:
-        raise UserError(f"mqar: {pairs} key-value pairs do not fit in data.max_len {length}: the pairs take "
-                        f"2 x pairs tokens and the queries as many again; use data.pairs <= {length // 4} "
-                        f"or data.max_len >= {4 * pairs}")
+    if shape.slots < pairs:
+        per_pair = shape.context // pairs + 2
+        raise UserError(f"mqar: {pairs} key-value pairs do not fit in data.max_len {length}: {shape.form} pairs take "
+                        f"{shape.context} positions and their queries {2 * pairs} more; use data.pairs <= "
+                        f"{length // per_pair} or data.max_len >= {per_pair * pairs}")
     if shape.keys < pairs:
         raise UserError(f"mqar: data.vocab {vocab} has {shape.keys} key tokens (1 .. vocab/2 - 1), too few "
                         f"for {pairs} distinct keys per sequence; use data.vocab >= {2 * pairs + 2}")
@@ -87,7 +105,8 @@ def gap_weights(slots: int) -> np.ndarray:
 
 
 def example(shape: Shape, seed: int, split: int, index: int) -> Tuple[np.ndarray, np.ndarray]:
-    """Example ``index`` of split number ``split`` (0 train, 1 val, 2 test): tokens [L] and labels [L]."""
+    """Example ``index`` of split number ``split`` (0 train, 1 val, 2 test): tokens [L] (one-token: [L, 2])
+    and labels [L]."""
     rng = np.random.default_rng([seed, split, index])
     keys = 1 + rng.choice(shape.keys, size=shape.pairs, replace=False)
     values = shape.vocab // 2 + rng.choice(shape.values, size=shape.pairs, replace=False)
@@ -96,18 +115,24 @@ def example(shape: Shape, seed: int, split: int, index: int) -> Tuple[np.ndarray
     # Spirakis 2006), one vectorised draw instead of P sequential ones
     scores = np.log(rng.random(shape.slots)) / gap_weights(shape.slots)
     gaps = np.argpartition(-scores, shape.pairs - 1)[: shape.pairs]
-    tokens = np.full(shape.length, FILLER, dtype=np.int32)
     labels = np.full(shape.length, IGNORE, dtype=np.int64)
-    tokens[0 : 2 * shape.pairs : 2] = keys
-    tokens[1 : 2 * shape.pairs : 2] = values
-    asked = 2 * shape.pairs + 2 * gaps  # [P] the query positions
-    tokens[asked] = keys
+    asked = shape.context + 2 * gaps  # [P] the query positions
     labels[asked] = values
+    if shape.form == "two-token":
+        tokens = np.full(shape.length, FILLER, dtype=np.int32)
+        tokens[0 : 2 * shape.pairs : 2] = keys
+        tokens[1 : 2 * shape.pairs : 2] = values
+        tokens[asked] = keys
+        return tokens, labels
+    tokens = np.full((shape.length, 2), FILLER, dtype=np.int32)
+    tokens[: shape.pairs, 0] = keys
+    tokens[: shape.pairs, 1] = values
+    tokens[asked, 0] = keys
     return tokens, labels
 
 
 def make_split(shape: Shape, seed: int, split: int, size: int) -> Split:
-    tokens = np.empty((size, shape.length), dtype=np.int32)
+    tokens = np.empty((size, shape.length) + ((2,) if shape.form == "one-token" else ()), dtype=np.int32)
     labels = np.empty((size, shape.length), dtype=np.int64)
     for i in range(size):
         tokens[i], labels[i] = example(shape, seed, split, i)
@@ -118,8 +143,11 @@ def split_sizes(data: DataConfigLike) -> Dict[str, int]:
     return {"train": data.size or TRAIN_SIZE, "val": HELD_OUT, "test": HELD_OUT}
 
 
-def token_name(token: int, shape: Shape) -> str:
-    """How a TSV file shows a token: ``k<id>`` a key, ``v<id>`` a value, ``.`` the filler."""
+def token_name(token: np.ndarray, shape: Shape) -> str:
+    """How a TSV file shows a position: ``k<id>`` a key, ``v<id>`` a value, ``.`` the filler; a
+    one-token pair as ``k<id>=v<id>``."""
+    if token.ndim:
+        return "=".join(token_name(t, shape) for t in token if t != FILLER) or "."
     if token == FILLER:
         return "."
     return f"k{token}" if token < shape.vocab // 2 else f"v{token}"
@@ -131,8 +159,8 @@ def tsv_lines(split: Split, shape: Shape) -> List[str]:
     for i in range(len(split)):
         tokens, labels = split.tokens[i], split.labels[i]
         asked = np.flatnonzero(labels != IGNORE)
-        targets = " ".join(f"{p}:{token_name(int(labels[p]), shape)}" for p in asked)
-        lines.append(f"{i}\t{' '.join(token_name(int(t), shape) for t in tokens)}\t{targets}")
+        targets = " ".join(f"{p}:{token_name(labels[p], shape)}" for p in asked)
+        lines.append(f"{i}\t{' '.join(token_name(t, shape) for t in tokens)}\t{targets}")
     return lines
 
 
@@ -155,7 +183,8 @@ class MQAR(Task):
 
     def folder_name(self, data: DataConfigLike) -> str:
         shape = shape_of(data)
-        return f"mqar_L{shape.length}_p{shape.pairs}_v{shape.vocab}_n{split_sizes(data)['train']}_seed{data.seed}"
+        form = "" if shape.form == FORMS[0] else f"_{shape.form}"
+        return f"mqar_L{shape.length}_p{shape.pairs}_v{shape.vocab}{form}_n{split_sizes(data)['train']}_seed{data.seed}"
 
     def generate(self, data: DataConfigLike) -> Path:
         """Write ``<data_dir>/<folder_name>/{train,val,test}.tsv`` for reading (training never reads them)."""

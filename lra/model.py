@@ -109,7 +109,7 @@ class LRAModel(nn.Module):
 
     Single: tokens [B, L], lengths [B] -> logits [B, classes].
     Dual:   tokens [B, 2, L], lengths [B, 2] -> logits [B, classes].
-    Token:  tokens [B, L], lengths [B] -> logits [B, L, classes].
+    Token:  tokens [B, L] or [B, L, S], lengths [B] -> logits [B, L, classes].
     """
 
     def __init__(

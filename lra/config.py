@@ -85,8 +85,11 @@ class DataConfig:
     max_len: int = 0
     # generated tasks: training examples to generate (0 = the official size)
     size: int = 0
-    # Pathfinder difficulty ("" = the task's default)
+    # Pathfinder difficulty, MQAR formulation ("" = the task's default)
     level: str = ""
+    # MQAR: key-value pairs per sequence and vocabulary size (0 = the task's default)
+    pairs: int = 0
+    vocab: int = 0
     # seed of the data generators
     seed: int = 0
     # processes for generators
@@ -347,6 +350,8 @@ RANGES: List[Tuple[str, Callable[[Any], bool], str]] = [
     ("data.max_len", _within(0, MAX_LEN), _upto(MAX_LEN, "0 (the task's default)")),
     ("data.size", _within(0, MAX_SIZE), _upto(MAX_SIZE, "0 (the official size)")),
     ("data.seed", _within(0, MAX_SEED), _upto(MAX_SEED, "0")),
+    ("data.pairs", _within(0, MAX_LEN), _upto(MAX_LEN, "0 (the task's default)")),
+    ("data.vocab", _within(0, MAX_SIZE), _upto(MAX_SIZE, "0 (the task's default)")),
     ("data.workers", _within(1, MAX_PROCESSES), _upto(MAX_PROCESSES, "1")),
 ]
 

@@ -1,4 +1,5 @@
-"""The LRA encoder: token + position embeddings, pre-LayerNorm blocks, pooling, a classifier head.
+"""The LRA encoder: token + position embeddings, pre-LayerNorm blocks, pooling, a classifier head
+(or, for a token-level task, no pooling and the head applied at every position).
 
 The attention in each block is built from the ``attentions`` registry; the Q/K/V and output
 projections live here, once, so every backend gets the same parameters around it. Retrieval uses
@@ -51,13 +52,16 @@ class Block(nn.Module):
 
 
 class Encoder(nn.Module):
-    """Tokens [B, L] and lengths [B] -> pooled features [B, C]."""
+    """Tokens [B, L] (or [B, L, S], S tokens summed at each position) and lengths [B] -> pooled features
+    [B, C], or every position's [B, L, C] when ``per_position``."""
 
     def __init__(
-        self, cfg: ModelConfig, attn: str, attn_options: Dict[str, Any], vocab_size: int, max_len: int, padded: bool
+        self, cfg: ModelConfig, attn: str, attn_options: Dict[str, Any], vocab_size: int, max_len: int, padded: bool,
+        per_position: bool = False,
     ) -> None:
         super().__init__()
         self.pooling = cfg.pooling
+        self.per_position = per_position
         self.padded = padded
         seq_len = max_len + (1 if cfg.pooling == "cls" else 0)
         self.tokens = nn.Embedding(vocab_size, cfg.dim)
@@ -71,6 +75,9 @@ class Encoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, lengths: Optional[torch.Tensor]) -> torch.Tensor:
         x = self.tokens(tokens.long())  # [B, L, C]
+        if tokens.dim() == 3:
+            # several tokens at each position (tokens [B, L, S]): their embeddings summed
+            x = x.sum(dim=2)  # [B, L, C]
         if self.cls is not None:
             x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)  # [B, 1+L, C]
             lengths = None if lengths is None else lengths + 1
@@ -85,6 +92,9 @@ class Encoder(nn.Module):
         for block in self.blocks:
             x = block(x, mask)
         x = self.norm(x)
+        if self.per_position:
+            # the sequence's own positions; a cls token, when there is one, is dropped
+            return x[:, n - tokens.shape[1]:]  # [B, L, C]
         if self.cls is not None:
             return x[:, 0]
         if mask is None:
@@ -94,10 +104,12 @@ class Encoder(nn.Module):
 
 
 class LRAModel(nn.Module):
-    """Single-sequence classifier, or the dual (Retrieval) classifier when ``dual``.
+    """Single-sequence classifier, the dual (Retrieval) classifier when ``dual``, or a per-position
+    classifier when ``token_level``.
 
     Single: tokens [B, L], lengths [B] -> logits [B, classes].
     Dual:   tokens [B, 2, L], lengths [B, 2] -> logits [B, classes].
+    Token:  tokens [B, L] or [B, L, S], lengths [B] -> logits [B, L, classes].
     """
 
     def __init__(
@@ -110,10 +122,11 @@ class LRAModel(nn.Module):
         max_len: int,
         dual: bool = False,
         padded: bool = True,
+        token_level: bool = False,
     ) -> None:
         super().__init__()
         self.dual = dual
-        self.encoder = Encoder(cfg, attn, attn_options, vocab_size, max_len, padded)
+        self.encoder = Encoder(cfg, attn, attn_options, vocab_size, max_len, padded, per_position=token_level)
         features = 4 * cfg.dim if dual else cfg.dim
         self.head = nn.Sequential(nn.Linear(features, cfg.ffn_dim), nn.ReLU(), nn.Linear(cfg.ffn_dim, num_classes))
 

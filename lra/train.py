@@ -34,6 +34,7 @@ from .files import write_json_atomic
 from .machine import environment, git_commit, load_average, matmul_rate
 from .record import Record, now
 from .tasks import Split
+from .tasks.base import IGNORE
 from .tracking import open_tracker
 from .train_setup import Run, peak_memory_mb, setup, to_device
 
@@ -199,6 +200,7 @@ def train_step(run: Run, state: TrainState) -> float:
         group["lr"] = lr
     with torch.autocast(device_type=run.device.type, dtype=torch.bfloat16, enabled=run.bf16):
         logits = run.net(tokens, lengths)
+    logits, labels = per_target(logits, labels)
     loss = F.cross_entropy(logits.float(), labels)
     # the global batch's mean loss, and whether any process saw a non-finite one
     stats = distributed.all_sum(torch.stack([loss.detach(), (~torch.isfinite(loss)).float()]), d)
@@ -269,11 +271,20 @@ def save(run: Run, state: TrainState) -> None:
         })
 
 
+def per_target(logits: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One row per target: a token-level task's logits [B, L, C] and labels [B, L] flattened to
+    [B L, C] and [B L] (cross_entropy skips the IGNORE labels); a classifier's are returned as they are."""
+    if labels.dim() == 1:
+        return logits, labels
+    return logits.flatten(0, 1), labels.flatten()
+
+
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module, split: Split, batch: int, max_batches: int, device: torch.device, d: distributed.Dist, bf16: bool
 ) -> Tuple[float, float]:
-    """Accuracy and mean loss on the first ``max_batches`` batches of ``split`` (0 = all)."""
+    """Accuracy and mean loss on the first ``max_batches`` batches of ``split`` (0 = all); for a
+    token-level task, over the labelled positions of those rows."""
     model.eval()
     n = len(split) if max_batches == 0 else min(len(split), max_batches * batch)
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # correct, loss sum, count
@@ -283,10 +294,11 @@ def evaluate(
         tokens, lengths, labels = to_device(split, np.arange(start, min(start + batch, n)), device)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = model(tokens, lengths)
+        logits, labels = per_target(logits, labels)
         sums += torch.stack([
             (logits.argmax(-1) == labels).sum().double(),
             F.cross_entropy(logits.float(), labels, reduction="sum").double(),
-            torch.tensor(float(len(labels)), dtype=torch.float64, device=device),
+            (labels != IGNORE).sum().double(),
         ])
     correct, loss, count = distributed.all_sum(sums, d).tolist()
     model.train()
@@ -310,7 +322,9 @@ def finish(run: Run, state: TrainState, status: str, message: str) -> Record:
     mem, mem_kind = peak_memory_mb(run.device)
     test = run.splits["test"]
     n_test = len(test) if not tc.test_batches else min(len(test), tc.test_batches * tc.batch_size)
-    counts = np.bincount(np.asarray(test.labels[:n_test]), minlength=run.spec.num_classes)
+    # the share of the most frequent answer (a token-level task's: over its labelled positions)
+    answers = np.asarray(test.labels[:n_test]).ravel()
+    counts = np.bincount(answers[answers != IGNORE], minlength=run.spec.num_classes)
     record = Record(
         status=status, run_name=run.run_dir.name, task=cfg.task, attn=cfg.attn, preset=cfg.preset, seed=cfg.seed,
         config=cfg.to_dict(), attn_budget=run.model.encoder.blocks[0].attn.budget(), steps=state.step,

@@ -95,7 +95,7 @@ def setup(cfg: RunConfig, quiet: bool) -> Run:
     # the source of --init-from is checked before any data is read or generated
     source = read_source(cfg.init_from, cfg) if cfg.init_from else None
     task = get_task(cfg.task)
-    spec = task.spec
+    spec = task.spec_for(cfg.data)
     if spec.padded and not get_attention(cfg.attn).supports_mask:
         raise UserError(f"attention {cfg.attn!r} cannot honour a padding mask, and task {cfg.task!r} is padded")
     check_augment(tc.augment, spec)
@@ -106,7 +106,8 @@ def setup(cfg: RunConfig, quiet: bool) -> Run:
 
     torch.manual_seed(cfg.seed)
     model = LRAModel(
-        cfg.model, cfg.attn, cfg.attn_options, spec.vocab_size, spec.num_classes, max_len, spec.dual, spec.padded
+        cfg.model, cfg.attn, cfg.attn_options, spec.vocab_size, spec.num_classes, max_len, spec.dual, spec.padded,
+        spec.token_level,
     ).to(device)
     check_backend(model, splits["train"], device, bf16, cfg.attn)
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)

@@ -37,7 +37,7 @@ class Loaded:
         cfg = self.cfg
         attn_options = {**cfg.attn_options, **(options or {})}
         model = LRAModel(cfg.model, cfg.attn, attn_options, self.spec.vocab_size, self.spec.num_classes,
-                         self.max_len, self.spec.dual, self.spec.padded)
+                         self.max_len, self.spec.dual, self.spec.padded, self.spec.token_level)
         return model.to(self.device).eval()
 
     def trained(self) -> LRAModel:
@@ -62,7 +62,7 @@ def load(path: str, data_dir: Optional[str], examples: Optional[int], quiet: boo
     n = min(len(test), examples or run.record["test_examples"] or len(test))
     device = pick_device(cfg.train.device)
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
-    loaded = Loaded(run, cfg, task.spec, Split(test.tokens[:n], test.lengths[:n], test.labels[:n]),
+    loaded = Loaded(run, cfg, task.spec_for(cfg.data), Split(test.tokens[:n], test.lengths[:n], test.labels[:n]),
                     task.max_len(cfg.data), weights, device, bf16)
     problem = parameter_change(loaded.model(), weights)
     if problem:

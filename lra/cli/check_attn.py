@@ -1,9 +1,10 @@
 """lra-check-attn: run the attention contract battery (``attentions.check``) on a user's backends.
 
-    lra-check-attn path/to/my_attention.py [--name NAME ...]
+    lra-check-attn path/to/my_attention.py [--name NAME ...] [--task TASK [--preset PRESET]]
 
 Prints PASS / FAIL (with why) / SKIP for every check of every backend the file registers (or of the
-named ones; built-in names are fine). Exit status 0 when every check passes, 1 when one fails,
+named ones; built-in names are fine), at the battery's small sizes or, with ``--task``, at the length,
+heads and head width a task's preset trains with. Exit status 0 when every check passes, 1 when one fails,
 2 for bad input (not a .py file, an import error, no backend registered, an unknown --name).
 """
 from __future__ import annotations
@@ -29,7 +30,20 @@ def parser() -> Parser:
     p.add_argument("--name", dest="names", action="append", default=[], metavar="NAME",
                    help="check only this backend (may repeat; a built-in name is fine)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs (default 0)")
+    p.add_argument("--task", help="check at this task's sequence length, heads and head width (default: the "
+                   "battery's B=3 H=2 N=64 D=16)")
+    p.add_argument("--preset", default="paper", help="with --task: the preset whose sizes are used (default paper)")
     return p
+
+
+def task_sizes(task: str, preset: str) -> Sizes:
+    """The battery's sizes at the length (a cls token included), heads and head width ``task`` trains with under ``preset``."""
+    from ..config import resolve
+    from ..tasks import get_task
+
+    cfg = resolve(task, "full", preset)
+    length = get_task(task).max_len(cfg.data) + (1 if cfg.model.pooling == "cls" else 0)
+    return Sizes(heads=cfg.model.num_heads, length=length, head_dim=cfg.model.dim // cfg.model.num_heads)
 
 
 def print_report(report: Report, sizes: Sizes) -> None:
@@ -56,7 +70,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for name in args.names:
         if name not in known:
             raise UserError(f"unknown --name {name!r}; known: {', '.join(known)}")
-    sizes = Sizes()
+    sizes = task_sizes(args.task, args.preset) if args.task else Sizes()
     passed = True
     for name in args.names or new:
         report = check_backend(name, sizes, seed=args.seed)

@@ -12,21 +12,26 @@ from . import Parser, console
 def parser() -> Parser:
     p = Parser(prog="lra-data", description="Generate the synthetic LRA tasks offline, or check which task data is present.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
-    gen = sub.add_parser("generate", help="generate ListOps, Pathfinder-32 or Path-X in the official file layout")
-    gen.add_argument("what", help="listops | pathfinder32 | pathx")
+    gen = sub.add_parser("generate", help="generate ListOps, Pathfinder-32 or Path-X in the official file layout, "
+                         "or MQAR examples as TSV to read")
+    gen.add_argument("what", help="listops | pathfinder32 | pathx | mqar")
     gen.add_argument("--data-dir", default="data", help="where to write (default ./data; created when missing)")
     gen.add_argument("--size", type=int, default=0, help="examples to generate (default: the official size)")
-    gen.add_argument("--level", default="", help="Pathfinder difficulty: curv_baseline, curv_contour_length_9, curv_contour_length_14")
+    gen.add_argument("--level", default="", help="Pathfinder difficulty: curv_baseline, curv_contour_length_9, curv_contour_length_14; "
+                     "MQAR formulation: two-token (zoology's, the default) or one-token")
     gen.add_argument("--seed", type=int, default=0,
                      help="seed of the generator (default 0); ListOps sets other than the official size and seed 0 "
                      "go to listops_n<size>_seed<seed>/")
     gen.add_argument("--workers", type=int, default=1, help="parallel processes (default 1)")
+    gen.add_argument("--max-len", type=int, default=0, help="MQAR: sequence length (default: the task's, 256)")
+    gen.add_argument("--pairs", type=int, default=0, help="MQAR: key-value pairs per sequence (default: the task's, 16)")
+    gen.add_argument("--vocab", type=int, default=0, help="MQAR: vocabulary size (default: the task's, 8192)")
     chk = sub.add_parser("check", help="say, for every task, whether its data is present and what is missing")
     chk.add_argument("--data-dir", help="the data folder to look in (default ./data; an explicit folder must exist)")
     return p
 
 
-GENERATED = {"listops": "listops", "pathfinder32": "pathfinder", "pathx": "pathx"}
+GENERATED = {"listops": "listops", "pathfinder32": "pathfinder", "pathx": "pathx", "mqar": "mqar"}
 
 
 def check_data(data_dir: Optional[str]) -> int:
@@ -56,7 +61,7 @@ def check_data(data_dir: Optional[str]) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
-    from ..config import MAX_PROCESSES, MAX_SEED, MAX_SIZE, DataConfig
+    from ..config import MAX_LEN, MAX_PROCESSES, MAX_SEED, MAX_SIZE, DataConfig
     from ..tasks import get_task
     from ..tasks.base import generate_task_data
 
@@ -67,8 +72,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not (0 <= args.size <= MAX_SIZE and 1 <= args.workers <= MAX_PROCESSES and 0 <= args.seed <= MAX_SEED):
         raise UserError(f"--size must be 0 (official size) to {MAX_SIZE:,}, --seed 0 to {MAX_SEED:,} and --workers 1 to "
                         f"{MAX_PROCESSES:,}; got --size {args.size} --seed {args.seed} --workers {args.workers}")
+    axes = {"--max-len": (args.max_len, MAX_LEN), "--pairs": (args.pairs, MAX_LEN), "--vocab": (args.vocab, MAX_SIZE)}
+    for flag, (value, high) in axes.items():
+        if value and args.what != "mqar":
+            raise UserError(f"{flag} sets an axis of mqar only; {args.what} takes --size, --seed and --workers")
+        if not 0 <= value <= high:
+            raise UserError(f"{flag} must be 0 (the task's default) to {high:,}, got {value}")
     check_folder_arg(args.data_dir, "--data-dir")
-    cfg = DataConfig(data_dir=args.data_dir, size=args.size, level=args.level, seed=args.seed, workers=args.workers)
+    cfg = DataConfig(data_dir=args.data_dir, size=args.size, level=args.level, seed=args.seed, workers=args.workers,
+                     max_len=args.max_len, pairs=args.pairs, vocab=args.vocab)
     try:
         folder = generate_task_data(get_task(GENERATED[args.what]), cfg)
     except OSError as err:

@@ -6,7 +6,7 @@ A task turns files in the official formats into three splits of token arrays:
     splits = task.load(data_cfg)            # {"train": Split, "val": Split, "test": Split}
     splits["train"].tokens                  # [n, L] int (dual tasks: [n, 2, L])
     splits["train"].lengths                 # [n] real tokens per row (dual: [n, 2])
-    splits["train"].labels                  # [n] int64
+    splits["train"].labels                  # [n] int64 (token-level tasks: [n, L], IGNORE = -100 where unasked)
 
 The padding mask is ``position < length``; it is never derived from token ids (pixel 0 is data).
 """
@@ -48,13 +48,20 @@ class TaskSpec:
     image_side: int = 0
     # the label survives the 8 rotations and flips of the image (train.augment=dihedral allowed)
     symmetric: bool = False
+    # one label per position (labels [n, L], IGNORE where nothing is asked): the model keeps every
+    # position's features and the loss and accuracy are taken over the labelled positions only
+    token_level: bool = False
+
+
+# the label of a position a token-level task asks nothing about (torch's cross_entropy ignore_index)
+IGNORE = -100
 
 
 @dataclass
 class Split:
     tokens: np.ndarray  # [n, L] or [n, 2, L]
     lengths: np.ndarray  # [n] or [n, 2]
-    labels: np.ndarray  # [n]
+    labels: np.ndarray  # [n], or [n, L] for a token-level task
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -101,6 +108,10 @@ class Task:
     def status(self, data_dir: str) -> DataStatus:
         raise NotImplementedError
 
+    def spec_for(self, data: "DataConfigLike") -> TaskSpec:
+        """The spec under this data config (a task whose vocabulary or length follows ``data`` overrides it)."""
+        return self.spec
+
     def max_len(self, data: "DataConfigLike") -> int:
         """The sequence length this data config gives (data.max_len, 0 = the task's default)."""
         return data.max_len or self.spec.max_len
@@ -111,6 +122,8 @@ class DataConfigLike:  # the fields of lra.config.DataConfig that loaders read (
     max_len: int
     size: int
     level: str
+    pairs: int
+    vocab: int
     seed: int
     workers: int
     generate: bool
@@ -135,7 +148,7 @@ def bars_off() -> bool:
 
 
 _TASKS: Dict[str, Type[Task]] = {}
-_BUILTIN_TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
+_BUILTIN_TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx", "mqar")
 
 
 def register_task(name: str) -> Callable[[Type[Task]], Type[Task]]:

@@ -173,7 +173,7 @@ def test_generate_writes_readable_tsv(tmp_path: Path, cli) -> None:
     (["data.max_len=64", "data.pairs=8", "data.vocab=16"], "data.vocab 16 has 7 key tokens"),
     (["data.max_len=32", "data.pairs=11", "data.level=one-token"], "use data.pairs <= 10 or data.max_len >= 33"),
     (["data.level=three-token"], "data.level 'three-token' is not a formulation; valid: two-token, one-token"),
-    (["data.pairs=-1"], "data.pairs must be 0 (the task's default) or more"),
+    (["data.pairs=-1"], "data.pairs must be 0 (the task's default) to 1,048,576"),
 ], ids=["pairs-too-many", "vocab-too-small", "one-token-pairs-too-many", "unknown-form", "negative-pairs"])
 def test_bad_input_is_one_line_exit_2(tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch, args: list, message: str) -> None:
     monkeypatch.chdir(tmp_path)

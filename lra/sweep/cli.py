@@ -232,8 +232,9 @@ def table_main(args: Any) -> int:
 
     folder = SweepFolder(Path(args.folder))
     folder.require()
-    presets = folder.saved_spec().get("preset") or []
-    extra = [r.get("preset") for r in folder.saved_spec().get("extra") or [] if isinstance(r, dict)]
+    saved = folder.saved_spec()
+    presets = saved.get("preset") or []
+    extra = [r.get("preset") for r in saved.get("extra") or [] if isinstance(r, dict)]
     argv = ["--runs", str(folder.out), "--out", args.out or str(folder.out / "tables"),
             "--throughput", str(folder.meta / "throughput")]
     if "smoke" in list(presets) + extra:

@@ -70,6 +70,13 @@ class SweepFolder:
             raise UserError(f"{self.runs_file} is unreadable ({err}); re-run the sweep's lra-sweep run command to rewrite it")
         return runs
 
+    def entry(self, key: str) -> Dict[str, Any]:
+        """Run ``key``'s item of runs.json."""
+        found = next((r for r in self.runs() if r["key"] == key), None)
+        if found is None:
+            raise UserError(f"{self.runs_file} has no run {key}; re-run the sweep's lra-sweep run command to rewrite it")
+        return found
+
     def write(self, spec: SweepSpec, runs: List[RunSpec], argvs: List[List[str]]) -> None:
         """Write the spec and run list; a folder holding another sweep is refused."""
         saved = spec.to_dict()

@@ -60,7 +60,8 @@ class RunJob(submitit.helpers.Checkpointable):
 
     def __call__(self) -> Dict[str, Any]:
         folder = SweepFolder(Path(self.out))
-        progress = run_progress(folder, self.key)
+        entry = folder.entry(self.key)
+        progress = run_progress(folder, entry)
         if progress.done:
             return {"key": self.key, "status": progress.kind, "test_acc": progress.test_acc}
         if progress.kind == "running":
@@ -71,7 +72,7 @@ class RunJob(submitit.helpers.Checkpointable):
         folder.set_state(self.key, "running", **job, pid=os.getpid(), started=time.time(),
                          start_step=progress.step, log=str(folder.log(self.key)))
         rc = self.launch(folder.log(self.key), job_id)
-        after = run_progress(folder, self.key)
+        after = run_progress(folder, entry)
         if after.done:
             folder.set_state(self.key, after.kind, **job)
             return {"key": self.key, "status": after.kind, "test_acc": after.test_acc}
@@ -151,7 +152,7 @@ class RunJob(submitit.helpers.Checkpointable):
         """submitit's pre-emption hook: let lra-run save and stop, note it, and requeue the same job."""
         rc = self.stop_child()
         folder = SweepFolder(Path(self.out))
-        progress = run_progress(folder, self.key)
+        progress = run_progress(folder, folder.entry(self.key))
         if not progress.done:
             folder.set_state(self.key, "requeued", **current_job(), step=progress.step, exit_status=rc)
         return submitit.helpers.DelayedSubmission(RunJob(self.out, self.key, self.argv, self.cores, self.gpus,

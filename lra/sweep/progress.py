@@ -29,10 +29,8 @@ class Progress:
         return self.kind in ("completed", "diverged")
 
 
-def run_progress(folder: SweepFolder, key: str) -> Progress:
-    entry = next((r for r in folder.runs() if r["key"] == key), None)
-    if entry is None:
-        return Progress("pending")
+def run_progress(folder: SweepFolder, entry: Dict[str, Any]) -> Progress:
+    """Where the run of run-list ``entry`` (an item of runs.json) stands."""
     cfg = run_config(str(folder.out), json.dumps(entry, sort_keys=True))
     run_dir = run_dir_of(folder.out, cfg)
     if run_dir is None:

@@ -37,11 +37,12 @@ def sweep_status(folder: SweepFolder) -> List[RunStatus]:
     runs = folder.runs()
     states = [folder.state(r["key"]) for r in runs]
     queued = cluster_jobs([str(s.get("job", "")) for s in states if s.get("cluster") == "slurm"])
-    return [run_status(folder, r["key"], r["label"], queued) for r in runs]
+    return [run_status(folder, r, queued) for r in runs]
 
 
-def run_status(folder: SweepFolder, key: str, label: str, queued: Optional[Dict[str, str]]) -> RunStatus:
-    progress = run_progress(folder, key)
+def run_status(folder: SweepFolder, entry: Dict, queued: Optional[Dict[str, str]]) -> RunStatus:
+    key, label = entry["key"], entry["label"]
+    progress = run_progress(folder, entry)
     state = folder.state(key)
     if progress.kind == "completed":
         acc = "n/a" if progress.test_acc is None else f"{progress.test_acc:.4f}"

@@ -1,14 +1,16 @@
-"""lra-table: result records -> accuracy, efficiency, taxonomy and throughput tables, and plots.
+"""lra-table: result records -> accuracy, efficiency, recall, taxonomy and throughput tables, and plots.
 
     lra-table [--runs results/runs ...] [--include-smoke] [--out results/tables] [--reference DIR] [--attn-module FILE.py ...]
 
 Reads ``<runs>/*/record.json`` (schema in ``lra/record.py``; by default the committed reference
 records in results/runs, never a user's ./runs unless named) and prints our numbers beside the
 published ones (``lra/reference/published_lra.csv`` and ``published_efficiency.csv``, package data). Writes
-``<out>/{accuracy,efficiency,taxonomy,throughput}.{md,csv,tex}`` and two PNG plots, each file
-atomically, and prints the Markdown tables. A diverged run shows as "diverged", never as a number.
-The accuracy and efficiency tables name every record they used and every one they left out
-(unreadable, unfinished, an older run of the same seed, a smoke run), each also one line on stderr.
+``<out>/{accuracy,efficiency,taxonomy,throughput}.{md,csv,tex}`` and two PNG plots of the LRA
+records, and, when MQAR records are among them, ``recall.{md,csv,tex}`` and ``recall_vs_pairs.png``
+(accuracy per backend and number of key-value pairs; ``recall.py``), each file atomically, and
+prints the Markdown tables. A diverged run shows as "diverged", never as a number. The accuracy,
+efficiency and recall tables name every record they used and every one they left out (unreadable,
+unfinished, an older run of the same seed, a smoke run), each also one line on stderr.
 """
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ from ..errors import UserError
 from .efficiency import efficiency_table, published_efficiency_table
 from .format import MISSING, Table, backend_order, fmt_number, markdown, write_tables
 from ..files import check_folder_arg, package_data
+from .recall import TASK as RECALL_TASK, recall_cells, recall_table
 from .records import load_records, shown
-from .summary import AVG_TASKS, SOURCES, TITLES, Summary, grouped, summarize, task_list
+from .summary import AVG_TASKS, SOURCES, TITLES, Summary, grouped, seeds_text, summarize, task_list
 from .taxonomy import taxonomy_table
 from .throughput import throughput_tables
 
@@ -61,12 +64,6 @@ def read_csv(path: Path) -> List[Dict[str, str]]:
 def average(summaries: Dict[str, Summary]) -> Optional[float]:
     means = [summaries[t].mean if t in summaries else None for t in AVG_TASKS]
     return None if any(m is None for m in means) else statistics.fmean(means)  # type: ignore[arg-type]
-
-
-def seeds_text(cells: Dict[str, Summary]) -> str:
-    """Seeds per task of one row: "3", or "1–3" when tasks differ."""
-    counts = sorted({len(s.values) + s.diverged for s in cells.values()})
-    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
 
 
 def our_accuracy_rows(records: List[Dict[str, Any]], tasks: List[str], table: Table) -> List[Dict[str, Any]]:
@@ -161,7 +158,10 @@ def differences_from_full(records: List[Dict[str, Any]]) -> List[str]:
 
 
 def parser() -> Parser:
-    p = Parser(prog="lra-table", description="Build comparison tables and plots from result records, beside the published numbers.")
+    p = Parser(prog="lra-table", description="Build comparison tables and plots from result records, beside the published "
+               "numbers: accuracy, efficiency, taxonomy and throughput tables, and, when MQAR runs are among the records, "
+               "recall.{md,csv,tex} (test accuracy per backend and number of key-value pairs, with each backend's keys "
+               "per query) and recall_vs_pairs.png.")
     p.add_argument("--runs", action="append", metavar="FOLDER",
                    help="folder of run folders holding record.json (default results/runs, the committed reference "
                    "records; lra-run writes to ./runs); may repeat to put several folders in one table")
@@ -202,14 +202,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     published_acc = read_csv(acc_file) if acc_file is not None else []
     published_eff = read_csv(eff_file) if eff_file is not None else []
 
+    # MQAR's levels (pairs, N, vocabulary) are columns of the recall table, not one task of the LRA tables
+    lra = [r for r in records if r["task"] != RECALL_TASK]
+    recall = recall_cells(records)
     outputs: Dict[str, List[Table]] = {}
-    if records:
-        outputs["accuracy"] = [accuracy_table(records, published_acc, shown(acc_file) if published_acc else "none found")]
-        outputs["efficiency"] = [efficiency_table(records)]
+    if lra:
+        outputs["accuracy"] = [accuracy_table(lra, published_acc, shown(acc_file) if published_acc else "none found")]
+        outputs["efficiency"] = [efficiency_table(lra)]
         for stem in ("accuracy", "efficiency"):
-            outputs[stem][0].notes += selection.notes()
+            outputs[stem][0].notes += selection.of_tasks(lambda task: task != RECALL_TASK).notes()
         if published_eff:
             outputs["efficiency"].append(published_efficiency_table(published_eff, shown(eff_file)))
+    if recall:
+        outputs["recall"] = [recall_table(recall)]
+        outputs["recall"][0].notes += selection.of_tasks(lambda task: task == RECALL_TASK).notes()
     outputs["taxonomy"] = [taxonomy_table()]
     throughput, not_records = throughput_tables(Path(args.throughput) if args.throughput else folders[0].parent / "throughput",
                                                 published_eff)
@@ -222,10 +228,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         for stem, tables in outputs.items():
             written += write_tables(out, stem, tables)
-        if not args.no_plots and records:
+        if not args.no_plots and lra:
             from .plots import plot_all
 
-            written += plot_all(records, out, backend_order(r["attn"] for r in records), published_acc)
+            written += plot_all(lra, out, backend_order(r["attn"] for r in lra), published_acc)
+        if not args.no_plots and recall:
+            from .plots import recall_vs_pairs
+
+            written.append(recall_vs_pairs(recall, out / "recall_vs_pairs.png"))
     except OSError as err:
         raise UserError(f"cannot write to {out}: {err.strerror or err}; choose another folder with --out")
     # printed once every file is written: a reader that stops early (| head) cuts no file short

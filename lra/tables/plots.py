@@ -1,8 +1,9 @@
-"""Plots of result records (matplotlib, Agg backend, PNG): accuracy by task, accuracy against training time.
+"""Plots of result records (matplotlib, Agg backend, PNG): accuracy by task, accuracy against training
+time, and MQAR's recall against the number of key-value pairs.
 
-Only completed runs are drawn; a diverged (backend, task) has no bar and no point. Both plots carry
-the majority-class accuracy of each task, the bar plot the published full-attention numbers beside
-it; error bars appear only where a bar or point has several seeds; legends sit outside the axes.
+Only completed runs are drawn; a diverged (backend, task) has no bar and no point. The two LRA plots
+carry the majority-class accuracy of each task, the bar plot the published full-attention numbers
+beside it; error bars appear only where a bar or point has several seeds; legends sit outside the axes.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter  # noqa: E402
 
 from ..files import write_atomic  # noqa: E402
+from .recall import Cells  # noqa: E402
 from .summary import TASKS, TITLES  # noqa: E402
 
 # rows of reference/published_lra.csv that are full (softmax) attention: (source, model)
@@ -239,3 +241,54 @@ def plot_all(records: List[Dict[str, Any]], out: Path, order: List[str],
         return []
     return [accuracy_bars(series, out / "accuracy_by_task.png", published),
             accuracy_vs_time(series, out / "accuracy_vs_time.png")]
+
+
+def recall_vs_pairs(cells: Cells, path: Path) -> Path:
+    """Zoology's plot: test accuracy against the number of key-value pairs, one line per backend (and
+    budget) through its mean over seeds, a band from the lowest to the highest seed where several;
+    one panel per protocol, formulation, vocabulary and N. A backend keeps its colour in every panel."""
+    groups: Dict[Tuple[str, str, int, int], Cells] = defaultdict(dict)
+    for row, per_pairs in cells.items():
+        groups[(row.preset, row.form, row.vocab, row.n)][row] = per_pairs
+    colours = {attn: f"C{i % 10}" for i, attn in enumerate(dict.fromkeys(row.attn for row in cells))}
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4.0), squeeze=False, sharey=True)
+    handles: Dict[str, Any] = {}
+    several = False
+    for ax, ((preset, form, vocab, n), rows) in zip(axes[0], groups.items()):
+        shown_pairs: List[int] = []
+        # a backend run at several budgets: one line style per budget
+        budgets_drawn: Dict[str, int] = defaultdict(int)
+        for row, per_pairs in rows.items():
+            values = {p: [100.0 * r["test_acc"] for r in rs if r["status"] == "completed" and r["test_acc"] is not None]
+                      for p, rs in per_pairs.items()}
+            pairs = [p for p, v in values.items() if v]
+            if not pairs:
+                continue
+            shown_pairs += pairs
+            keys = f"{row.keys} of {n} keys" if row.keys is not None else row.budget
+            label = f"{row.attn} ({keys})"
+            line, = ax.plot(pairs, [statistics.fmean(values[p]) for p in pairs], marker="o", color=colours[row.attn],
+                            linestyle=("-", "--", ":", "-.")[budgets_drawn[row.attn] % 4], label=label)
+            budgets_drawn[row.attn] += 1
+            handles.setdefault(label, line)
+            if any(len(values[p]) > 1 for p in pairs):
+                several = True
+                ax.fill_between(pairs, [min(values[p]) for p in pairs], [max(values[p]) for p in pairs],
+                                color=colours[row.attn], alpha=0.2, linewidth=0)
+        ticks = sorted(set(shown_pairs))
+        if ticks and ticks[-1] >= 4 * ticks[0]:
+            ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: f"{x:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_ylim(-2, 102)
+        ax.set_xlabel("key-value pairs")
+        ax.set_title(f"N = {n}, vocab {vocab}, {form} (preset {preset})", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("test accuracy over the queries (%)")
+    band = "line: mean over seeds; band: lowest to highest seed" if several else "one seed per point"
+    fig.suptitle(f"MQAR recall against the number of key-value pairs\n({band})", fontsize=10)
+    fig.legend(list(handles.values()), list(handles), fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 0.9),
+               frameon=False)
+    fig.tight_layout()
+    return save(fig, path)

@@ -1,15 +1,18 @@
 """Which run records the tables use: the finished ones under the run folders given, the latest per
-backend, preset, task and seed, and every record or run left out with the reason (unreadable,
-unfinished, an older duplicate, a smoke run, a run started from another's weights), which the
-accuracy and efficiency tables print."""
+backend, preset, task and seed (and, for a task with levels such as MQAR's number of pairs, per
+level), and every record or run left out with the reason (unreadable, unfinished, an older
+duplicate, a smoke run, a run started from another's weights), which the tables print."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ..config import DataConfig
+from ..errors import UserError
 from ..record import validate_record
+from ..tasks import get_task
 
 # the checkout the package runs from (records and tables there are printed relative to it), and the
 # package's own data (the published CSVs, printed as reference/<file>)
@@ -24,6 +27,13 @@ class Selection:
     used: List[Path] = field(default_factory=list)
     # (path of the record or run folder, why it was left out)
     left_out: List[Tuple[Path, str]] = field(default_factory=list)
+    # the task of each path above whose record could be read
+    tasks: Dict[Path, str] = field(default_factory=dict)
+
+    def of_tasks(self, keep: Callable[[Optional[str]], bool]) -> "Selection":
+        """The runs and left-out records whose task ``keep`` accepts (None: a record that could not be read)."""
+        return Selection([p for p in self.used if keep(self.tasks.get(p))],
+                         [(p, why) for p, why in self.left_out if keep(self.tasks.get(p))], self.tasks)
 
     def notes(self) -> List[str]:
         """The lines the accuracy and efficiency tables carry: every run used, every record or run left out."""
@@ -50,12 +60,27 @@ def read_record(path: Path) -> Dict[str, Any]:
     return record
 
 
+def levels(record: Dict[str, Any]) -> Dict[str, Any]:
+    """The record's level, by data field name: its task's ``levels`` of the data config it ran with
+    ({} for a task without levels, or one this installation does not know)."""
+    try:
+        task = get_task(record["task"])
+    except UserError:
+        return {}
+    data = record["config"].get("data") or {}
+    known = DataConfig.__dataclass_fields__
+    try:
+        return task.levels(DataConfig(**{k: v for k, v in data.items() if k in known}))
+    except UserError:
+        return {}
+
+
 def load_records(folders: List[Path], include_smoke: bool = False) -> Tuple[List[Dict[str, Any]], Selection]:
-    """Finished records under the ``folders`` (the latest per backend, preset, task and seed), and which
-    records were used and left out: unreadable ones, unfinished runs, older duplicates and, unless
+    """Finished records under the ``folders`` (the latest per backend, preset, task, seed and level), and
+    which records were used and left out: unreadable ones, unfinished runs, older duplicates and, unless
     ``include_smoke``, smoke runs (a handful of steps: they show the pipeline runs, not what a backend learns)."""
     selection = Selection()
-    latest: Dict[Tuple[str, str, str, int], Tuple[Dict[str, Any], Path]] = {}
+    latest: Dict[Tuple[Any, ...], Tuple[Dict[str, Any], Path]] = {}
     for folder in run_folders_of(folders):
         path = folder / "record.json"
         if not path.exists():
@@ -66,6 +91,7 @@ def load_records(folders: List[Path], include_smoke: bool = False) -> Tuple[List
         except (OSError, ValueError) as err:
             selection.left_out.append((path, f"unreadable: {err}"))
             continue
+        selection.tasks[path] = selection.tasks[folder] = record["task"]
         if record["status"] not in ("completed", "diverged"):
             selection.left_out.append((path, f"status {record['status']!r}: the run has not finished"))
             continue
@@ -76,13 +102,15 @@ def load_records(folders: List[Path], include_smoke: bool = False) -> Tuple[List
             # a swap-in (lra-run --init-from): not a run of the backend trained on its own
             selection.left_out.append((path, f"started from the weights of {record['init_from'].get('run', '?')} (--init-from)"))
             continue
-        key = (record["attn"], record["preset"], record["task"], record["seed"])
+        level = levels(record)
+        key = (record["attn"], record["preset"], record["task"], record["seed"], *sorted(level.items()))
+        same = "backend, preset, task, seed and level" if level else "backend, preset, task and seed"
         if key in latest:
             kept, kept_path = latest[key]
             if str(record["finished_at"] or "") < str(kept["finished_at"] or ""):
-                selection.left_out.append((path, f"older run of the same backend, preset, task and seed as {shown(kept_path)}"))
+                selection.left_out.append((path, f"older run of the same {same} as {shown(kept_path)}"))
                 continue
-            selection.left_out.append((kept_path, f"older run of the same backend, preset, task and seed as {shown(path)}"))
+            selection.left_out.append((kept_path, f"older run of the same {same} as {shown(path)}"))
         latest[key] = (record, path)
     selection.used = sorted(path.parent for _, path in latest.values())
     return [record for record, _ in latest.values()], selection

@@ -52,6 +52,12 @@ def summarize(records: Iterable[Dict[str, Any]], key: str, scale: float = 1.0) -
     return summary
 
 
+def seeds_text(cells: Dict[Any, Summary]) -> str:
+    """Seeds per cell of one row: "3", or "1–3" when cells differ."""
+    counts = sorted({len(s.values) + s.diverged for s in cells.values()})
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
+
+
 def grouped(records: List[Dict[str, Any]]) -> Dict[Tuple[str, str, str], List[Dict[str, Any]]]:
     """Records by (preset, attn, task)."""
     groups: Dict[Tuple[str, str, str], List[Dict[str, Any]]] = defaultdict(list)

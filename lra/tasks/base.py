@@ -21,7 +21,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ClassVar, Dict, Iterator, List, Sequence, Type
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Sequence, Type
 
 import numpy as np
 
@@ -115,6 +115,12 @@ class Task:
     def max_len(self, data: "DataConfigLike") -> int:
         """The sequence length this data config gives (data.max_len, 0 = the task's default)."""
         return data.max_len or self.spec.max_len
+
+    def levels(self, data: "DataConfigLike") -> Dict[str, Any]:
+        """The data settings that make runs of this task different experiments, by data field name
+        (lra-table keeps the latest record per backend, preset, seed and these values, and gives
+        each its own cell); none by default: every run of the task is the same experiment."""
+        return {}
 
 
 class DataConfigLike:  # the fields of lra.config.DataConfig that loaders read (for type hints)

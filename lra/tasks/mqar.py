@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
@@ -176,6 +176,11 @@ class MQAR(Task):
 
     def max_len(self, data: DataConfigLike) -> int:
         return shape_of(data).length
+
+    def levels(self, data: DataConfigLike) -> Dict[str, Any]:
+        """The four axes, resolved (0 = the default): the formulation, N, the vocabulary and the pairs."""
+        shape = shape_of(data)
+        return {"level": shape.form, "max_len": shape.length, "vocab": shape.vocab, "pairs": shape.pairs}
 
     def load(self, data: DataConfigLike) -> Dict[str, Split]:
         shape = shape_of(data)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attentions import native
+from attentions.ops import native
 
 LIBRARY = "dropout_cpu"
 FOLDER = Path(__file__).resolve().parent

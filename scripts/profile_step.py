@@ -36,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from attentions import native  # noqa: E402
+from attentions.ops import native  # noqa: E402
 from lra.allocator import keep_freed_memory  # noqa: E402
 from lra.bench.cli import parse, settings_from  # noqa: E402
 from lra.bench.measure import timed  # noqa: E402

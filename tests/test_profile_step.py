@@ -5,15 +5,16 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from attentions import grouped_cpu
+from attentions.ops.grouped import cpu as grouped_cpu
 from conftest import load_script
 from lra.cli import call
 
 
 
 def native_kernels() -> bool:
-    return grouped_cpu.available()
+    return grouped_cpu.fits(torch.zeros(0))
 
 
 def test_profiles_each_backend_and_length(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

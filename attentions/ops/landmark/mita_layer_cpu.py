@@ -1,6 +1,6 @@
 """MiTA's default form (one routed expert per query, with the shared expert) on the CPU kernels as one
-autograd Function: the same steps and kernels as mita.py's composed path (landmark_cpu.py,
-grouped_cpu.py), with the backward written into one set of gradients.
+autograd Function: the same steps and kernels as mita.py's composed path (landmark/cpu.py,
+grouped/cpu.py), with the backward written into one set of gradients.
 
 Composed of separate Functions, the backward would make each stage's q, k, v gradients as new
 tensors for autograd to add: at N = 64K (B = 1, H = 4, D = 32) three [G, N, D] additions, three new
@@ -16,9 +16,9 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .grouped import expert_runs
-from .grouped_cpu import backward_call as grouped_backward, forward_call as grouped_forward, take_rows
-from .landmark_cpu import kernel_bins, landmark_backward, landmark_forward, pool_backward, pool_forward, route_best
+from ..grouped.cpu import backward_call as grouped_backward, forward_call as grouped_forward, take_rows
+from ..grouped.reference import expert_runs
+from .cpu import kernel_bins, landmark_backward, landmark_forward, pool_backward, pool_forward, route_best
 
 
 class MiTACPU(torch.autograd.Function):

@@ -1,19 +1,20 @@
-"""Products with k table rows chosen per query (sparse_rows.c), for float32 CPU tensors.
+"""Products with k table rows chosen per query on compiled C kernels (csrc/sparse_rows.c), for
+float32 CPU tensors.
 
 Query r picks rows idx[r, :] of its group's block of N table rows (group = r // per_group, e.g. a
 query's (batch, head) over that head's N keys). ``mix_rows`` is the weighted sum of the picked
 rows, ``dot_rows`` their dot products with a query vector, ``scatter_outer`` adds w[r, j] x[r]
-into the picked rows of a gradient. Each equals an indexed torch expression (``reference_*``,
-which the tests compare against); ``available`` says whether the kernels are built here.
+into the picked rows of a gradient. Each equals an indexed torch expression (reference.py, which
+the tests compare against); ``refusals`` says why the kernels do not take an input.
 """
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
-from . import native
+from .. import native
 
 LIBRARY = "sparse_rows"
 
@@ -28,28 +29,9 @@ def _library() -> Optional[ctypes.CDLL]:
     return lib
 
 
-def available(x: torch.Tensor) -> bool:
-    """Whether the kernels take ``x``'s kind of tensor: float32 on the CPU, with the kernels built here."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and _library() is not None
-
-
-def _rows(idx: torch.Tensor, per_group: int, group_rows: int) -> torch.Tensor:
-    """The table row of every pick: [R, k]."""
-    groups = torch.arange(idx.shape[0], device=idx.device)[:, None] // per_group
-    return groups * group_rows + idx
-
-
-def reference_mix(w: torch.Tensor, idx: torch.Tensor, table: torch.Tensor, per_group: int, group_rows: int):
-    return (w[..., None] * table[_rows(idx, per_group, group_rows)]).sum(1)
-
-
-def reference_dot(x: torch.Tensor, idx: torch.Tensor, table: torch.Tensor, per_group: int, group_rows: int):
-    return (x[:, None, :] * table[_rows(idx, per_group, group_rows)]).sum(-1)
-
-
-def reference_scatter(w, idx, x, grad: torch.Tensor, per_group: int, group_rows: int) -> torch.Tensor:
-    rows = _rows(idx, per_group, group_rows).flatten()
-    return grad.index_add_(0, rows, (w[..., None] * x[:, None, :]).flatten(0, 1))
+def refusals(x: torch.Tensor) -> List[str]:
+    """Why the kernels do not take tensors like ``x`` (float32 CPU tensors, once built here); [] when they do."""
+    return native.refusals(x, LIBRARY)
 
 
 def mix_rows(w: torch.Tensor, idx: torch.Tensor, table: torch.Tensor, per_group: int, group_rows: int) -> torch.Tensor:

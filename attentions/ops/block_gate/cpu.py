@@ -1,20 +1,20 @@
-"""MoBA's gate on a compiled C kernel for the CPU (block_gate.c), float32: each query's best key blocks.
+"""MoBA's gate on a compiled C kernel for the CPU (csrc/block_gate.c), float32: each query's best key blocks.
 
-The PyTorch path of moba.choose_blocks makes the [B, H, chunk, blocks] gate tensor, writes +inf at
+The PyTorch form (reference.py) makes the [B, H, chunk, blocks] gate tensor, writes +inf at
 each query's own block, masks the empty blocks and runs topk over it; at N = 4K (batch 8) that was
 about a tenth of MoBA's training step, for a choice of one block besides the own one at the
 defaults. The kernel scores a pair of queries against the head's block means at a time and keeps a
-short sorted list instead. Same choice as the PyTorch path (tests/test_block_gate.py); of equal
+short sorted list instead. Same choice as the PyTorch form (tests/test_block_gate.py); of equal
 gates the lower block number wins (torch.topk leaves ties unspecified).
 """
 from __future__ import annotations
 
 import ctypes
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
-from . import native
+from .. import native
 
 LIBRARY = "block_gate"
 # the sorted list is per_query long: beyond this many blocks per query the PyTorch topk is kept
@@ -38,10 +38,13 @@ def library() -> Optional[ctypes.CDLL]:
     return lib
 
 
-def fits(q: torch.Tensor, per_query: int) -> bool:
-    """Whether the kernel takes these inputs: float32 CPU tensors, a short list, the kernel built here."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and per_query <= MAX_PER_QUERY
-            and library() is not None)
+def refusals(q: torch.Tensor, per_query: int) -> List[str]:
+    """Why the kernel does not choose ``per_query`` blocks for queries like ``q`` (float32 CPU tensors,
+    a list of at most MAX_PER_QUERY, the kernel built here); [] when it does."""
+    reasons = native.refusals(q, LIBRARY)
+    if per_query > MAX_PER_QUERY:
+        reasons.append(f"{LIBRARY} keeps at most {MAX_PER_QUERY} blocks per query, not {per_query}")
+    return reasons
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:

@@ -1,4 +1,4 @@
-"""MiTA's landmark pass and routing on a compiled C kernel for the CPU (landmark_cpu.c), float32.
+"""MiTA's landmark pass and routing on a compiled C kernel for the CPU (csrc/landmark_cpu.c), float32.
 
 ``pool_queries`` is step 1 (the landmarks: bin means of the queries over each sequence's real
 tokens) without the [B, m, N] pooling matrix the PyTorch path builds and multiplies by.
@@ -11,18 +11,19 @@ about half of MiTA's step. The kernel makes one pass over the keys in L1-sized b
 the scores and one log-sum-exp per landmark. ``route_best`` is step 4 for one expert per query:
 q . L_j and the argmax in one pass, without the [B, H, N, m] gate tensor.
 
-Both give the PyTorch path's results up to float rounding (tests/test_landmark_cpu.py); other
-dtypes and devices, and machines where the kernel cannot be built, keep the PyTorch path (mita.py).
+Each gives its PyTorch form's results (reference.py) up to float rounding (tests/test_landmark_cpu.py);
+other dtypes and devices, and machines where the kernel cannot be built, keep the PyTorch forms
+(``refusals`` says why).
 """
 from __future__ import annotations
 
 import ctypes
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
-from . import native
-from .masking import real_bins, real_lengths
+from ... import masking
+from .. import native
 
 LIBRARY = "landmark_cpu"
 _i64, _ptr_t = ctypes.c_int64, ctypes.c_void_p
@@ -48,9 +49,14 @@ def library() -> Optional[ctypes.CDLL]:
     return lib
 
 
+def refusals(q: torch.Tensor) -> List[str]:
+    """Why the kernels do not take tensors like ``q`` (they take float32 CPU tensors, once built here);
+    [] when they do."""
+    return native.refusals(q, LIBRARY)
+
+
 def fits(q: torch.Tensor) -> bool:
-    """Whether the kernels take these inputs: float32 CPU tensors, with the kernel built here."""
-    return q.device.type == "cpu" and q.dtype == torch.float32 and library() is not None
+    return not refusals(q)
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -111,7 +117,7 @@ def kernel_bins(mask: Optional[torch.Tensor], b: int, n: int, bins: int, device:
                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """masking.real_bins as the pooling kernel takes them: starts, ends [B, bins] (a missing bin empty,
     end == start) and which bins are real [B, bins]."""
-    starts, ends, real = real_bins(real_lengths(mask, b, n, device), bins)  # [B, bins] each
+    starts, ends, real = masking.real_bins(masking.real_lengths(mask, b, n, device), bins)  # [B, bins] each
     return starts.masked_fill(~real, 0).contiguous(), ends.masked_fill(~real, 0).contiguous(), real
 
 

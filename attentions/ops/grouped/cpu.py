@@ -1,5 +1,5 @@
-"""Grouped attention on a compiled C kernel for the CPU (grouped_cpu.c): ``grouped_attention`` of
-grouped.py (same arguments, same results up to float rounding) for float32 CPU tensors.
+"""Grouped routed attention on a compiled C kernel for the CPU (csrc/grouped_cpu.c): ``grouped_attention``
+of reference.py (same arguments, same results up to float rounding) for float32 CPU tensors.
 
 The PyTorch path runs each tile of queries as a few small batched matmuls, with the tables gathered
 into tiles and scattered back; at LRA's lengths (an expert holds ~16 queries at N = 1K) those
@@ -7,23 +7,23 @@ small operations, not the arithmetic, set its time. The C kernel walks the exper
 copies an expert's keys and values (read by index, ``rows``) into buffers that stay in the L1
 cache, runs each of its queries through one softmax over the shared and routed keys, and in the
 backward adds the expert's key gradients back once. The softmax rows are kept for the backward
-when they fit in SAVE_ELEMENTS (grouped.py); otherwise the backward recomputes them from the
+when they fit in tuning.SAVE_ELEMENTS; otherwise the backward recomputes them from the
 saved log-sum-exp (as flash attention does), and the kernel keeps O(P) floats.
 
 Other dtypes (bf16 under autocast) and CUDA tensors take the PyTorch path; a machine where the
-kernel cannot be built (no C compiler) has ``available() == False`` and the backends' "auto"
-keeps the PyTorch path there (attentions/native.py says why).
+kernel cannot be built (no C compiler) keeps the PyTorch path too: ``refusals`` says why
+(ops/native.py).
 """
 from __future__ import annotations
 
 import ctypes
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
-from . import grouped, native
-from .base import AttentionError
-from .grouped import expert_runs, gather_rows, grouped_attention, merge
+from ...base import AttentionError
+from .. import native, tuning
+from .reference import expert_runs, gather_rows, grouped_attention, merge
 
 LIBRARY = "grouped_cpu"
 _f, _i64 = ctypes.c_float, ctypes.c_int64
@@ -57,9 +57,14 @@ def library() -> Optional[ctypes.CDLL]:
     return lib
 
 
-def available() -> bool:
-    """Whether the C kernel is built and loaded on this machine (builds it on the first call)."""
-    return library() is not None
+def refusals(x: torch.Tensor) -> List[str]:
+    """Why the C kernel does not take tensors like ``x`` (it takes float32 CPU tensors, once built
+    here); [] when it does."""
+    return native.refusals(x, LIBRARY)
+
+
+def fits(x: torch.Tensor) -> bool:
+    return not refusals(x)
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -93,7 +98,7 @@ def forward_call(q, keys, values, shared_keys, shared_values, rows, key_ok, shar
     none = order[offsets[-1]:]  # ... in an expert's run; a pair with no expert gets 0 and -inf
     out[none], lse[none] = 0.0, float("-inf")
     # the softmax rows [P, M + S] are kept for the backward when they fit (else recomputed)
-    probs = q.new_empty(q.shape[0], m + s) if q.shape[0] * (m + s) <= grouped.SAVE_ELEMENTS else None
+    probs = q.new_empty(q.shape[0], m + s) if q.shape[0] * (m + s) <= tuning.SAVE_ELEMENTS else None
     args = Grouped(
         experts=x, S=s, D=q.shape[1], M=m, group=group, unit=unit, threads=torch.get_num_threads(),
         pairs=q.shape[0], scale=scale,
@@ -152,11 +157,6 @@ class GroupedAttentionCPU(torch.autograd.Function):
         return *grads, *[None] * 9
 
 
-def fits(q: torch.Tensor) -> bool:
-    """Whether the C kernel takes these inputs: float32 CPU tensors, with the kernel built here."""
-    return q.device.type == "cpu" and q.dtype == torch.float32 and available()
-
-
 def grouped_attention_cpu(
     q: torch.Tensor,
     expert: torch.Tensor,
@@ -169,7 +169,7 @@ def grouped_attention_cpu(
     rows: Optional[torch.Tensor] = None,
     unit: int = 1,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """grouped.grouped_attention on the C kernel: the same arguments and results (see there), and
+    """reference.grouped_attention on the C kernel: the same arguments and results (see there), and
     the expert keys read by index: with ``rows`` [X, S] long, keys and values are [R, D] tables
     and expert x holds rows[x]; ``unit``: experts of different runs of ``unit`` experts share no
     key row (a thread takes whole runs; 1 without rows). Inputs the kernel does not take (not
@@ -198,7 +198,7 @@ def grouped_attention_cpu(
 
 
 class MergeCPU(torch.autograd.Function):
-    """grouped.merge on grouped_cpu.c: parts [R, E, D], lse [R, E] -> [R, D] (slot_major: parts
+    """reference.merge on grouped_cpu.c: parts [R, E, D], lse [R, E] -> [R, D] (slot_major: parts
     [E, R, D], lse [E, R])."""
 
     @staticmethod
@@ -224,9 +224,9 @@ class MergeCPU(torch.autograd.Function):
 
 
 def merge_cpu(parts: torch.Tensor, lse: torch.Tensor, slot_major: bool = False) -> torch.Tensor:
-    """grouped.merge (one softmax over each row's E partial results, [R, E, D] and [R, E] -> [R, D];
+    """reference.merge (one softmax over each row's E partial results, [R, E, D] and [R, E] -> [R, D];
     slot_major: [E, R, D] and [E, R]) on the C kernel: one pass forward and one backward instead of
-    about ten tensor operations each. Inputs the kernel does not take go to grouped.merge."""
+    about ten tensor operations each. Inputs the kernel does not take go to reference.merge."""
     if not fits(parts):
         return merge(parts, lse, slot_major)
     return MergeCPU.apply(parts.contiguous(), lse.to(parts.dtype).contiguous(), slot_major)

@@ -5,7 +5,8 @@ each query's own block, masks the empty blocks and runs topk over it; at N = 4K 
 about a tenth of MoBA's training step, for a choice of one block besides the own one at the
 defaults. The kernel scores a pair of queries against the head's block means at a time and keeps a
 short sorted list instead. Same choice as the PyTorch form (tests/test_block_gate.py); of equal
-gates the lower block number wins (torch.topk leaves ties unspecified).
+gates the lower block number wins (torch.topk leaves ties unspecified). The kernel is the
+torch.library operator ``lra::block_gate``.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import ctypes
 from typing import List, Optional, Tuple
 
 import torch
+from torch.library import custom_op, register_fake
 
 from .. import native
 
@@ -51,21 +53,33 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
+@custom_op("lra::block_gate", mutates_args=(), device_types="cpu")
+def block_gate(q: torch.Tensor, means: torch.Tensor, empty: Optional[torch.Tensor], block_size: int, per_query: int,
+               include_own: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on contiguous float32 q [B, H, N, D], means [B, H, blocks, D] and empty [B, blocks] uint8
+    or None: chosen blocks [B, H, N, per_query] (best first) and whether each holds a real key."""
+    b, h, n, d = q.shape
+    chosen = torch.empty(b, h, n, per_query, dtype=torch.long)
+    ok = torch.empty(b, h, n, per_query, dtype=torch.bool)
+    args = Gate(G=b * h, N=n, D=d, blocks=means.shape[2], block_size=block_size, per_query=per_query,
+                own=int(include_own), heads=h, threads=torch.get_num_threads(), q=_ptr(q), means=_ptr(means),
+                empty=_ptr(empty), chosen=_ptr(chosen), ok=_ptr(ok.view(torch.uint8)))
+    if library().block_gate(ctypes.byref(args)) != 0:
+        raise MemoryError("the MoBA gate CPU kernel could not allocate its per-thread buffers")
+    return chosen, ok
+
+
+@register_fake("lra::block_gate")
+def _(q, means, empty, block_size, per_query, include_own):
+    shape = (*q.shape[:3], per_query)
+    return q.new_empty(shape, dtype=torch.long), q.new_empty(shape, dtype=torch.bool)
+
+
 @torch.no_grad()
 def choose_blocks_cpu(q: torch.Tensor, means: torch.Tensor, empty: Optional[torch.Tensor], block_size: int,
                       per_query: int, include_own: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """Each query's ``per_query`` best blocks [B, H, N, per_query] (best first) and whether each holds
     a real key. q [B, H, N, D], means [B, H, blocks, D] (mean over each block's real keys), empty
     [B, blocks] bool (a block without a real key) or None."""
-    b, h, n, d = q.shape
-    blocks = means.shape[2]
-    chosen = torch.empty(b, h, n, per_query, dtype=torch.long)
-    ok = torch.empty(b, h, n, per_query, dtype=torch.bool)
-    q, means = q.contiguous(), means.contiguous()  # (named, so they live through the call)
     empty = None if empty is None else empty.contiguous().view(torch.uint8)
-    args = Gate(G=b * h, N=n, D=d, blocks=blocks, block_size=block_size, per_query=per_query, own=int(include_own),
-                heads=h, threads=torch.get_num_threads(), q=_ptr(q), means=_ptr(means), empty=_ptr(empty),
-                chosen=_ptr(chosen), ok=_ptr(ok.view(torch.uint8)))
-    if library().block_gate(ctypes.byref(args)) != 0:
-        raise MemoryError("the MoBA gate CPU kernel could not allocate its per-thread buffers")
-    return chosen, ok
+    return block_gate(q.contiguous(), means.contiguous(), empty, block_size, per_query, include_own)

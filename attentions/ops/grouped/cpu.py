@@ -10,6 +10,9 @@ backward adds the expert's key gradients back once. The softmax rows are kept fo
 when they fit in tuning.SAVE_ELEMENTS; otherwise the backward recomputes them from the
 saved log-sum-exp (as flash attention does), and the kernel keeps O(P) floats.
 
+The kernel's entries are torch.library operators (``lra::grouped_forward``, ``lra::grouped_backward``,
+``lra::merge_parts``, ``lra::take_rows``, ...): the profiler names them, torch.compile keeps them in
+its graph (their fake implementations give the output shapes), and autograd saves their tensors.
 Other dtypes (bf16 under autocast) and CUDA tensors take the PyTorch path; a machine where the
 kernel cannot be built (no C compiler) keeps the PyTorch path too: ``refusals`` says why
 (ops/native.py).
@@ -20,6 +23,8 @@ import ctypes
 from typing import List, Optional, Tuple
 
 import torch
+
+from torch.library import custom_op, register_autograd, register_fake
 
 from ...base import AttentionError
 from .. import native, tuning
@@ -68,7 +73,26 @@ def fits(x: torch.Tensor) -> bool:
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
-    return None if t is None else t.data_ptr()
+    return None if t is None or t.numel() == 0 else t.data_ptr()
+
+
+def _all_true(ok: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A key mask as the kernel takes it: None (no masking) when every key is real."""
+    return None if ok is None or bool(ok.all()) else ok
+
+
+@custom_op("lra::take_rows", mutates_args=(), device_types="cpu")
+def take_rows_op(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x.index_select(0, index) for contiguous float32 x [R, D] and index [P] (int64 in [0, R))."""
+    out = x.new_empty(index.shape[0], x.shape[1])
+    library().take_rows(x.data_ptr(), index.data_ptr(), out.data_ptr(), index.shape[0], x.shape[1],
+                        torch.get_num_threads())
+    return out
+
+
+@register_fake("lra::take_rows")
+def _(x, index):
+    return x.new_empty(index.shape[0], x.shape[1])
 
 
 def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -76,10 +100,7 @@ def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     for contiguous float32 CPU tensors; not differentiable (the callers' Functions route gradients)."""
     if not (fits(x) and x.dim() == 2 and x.is_contiguous() and index.dtype == torch.int64 and index.is_contiguous()):
         return x.index_select(0, index)
-    out = x.new_empty(index.shape[0], x.shape[1])
-    library().take_rows(x.data_ptr(), index.data_ptr(), out.data_ptr(), index.shape[0], x.shape[1],
-                        torch.get_num_threads())
-    return out
+    return take_rows_op(x, index)
 
 
 def _call(fn_name: str, args: Grouped) -> None:
@@ -87,48 +108,75 @@ def _call(fn_name: str, args: Grouped) -> None:
         raise MemoryError("the grouped CPU kernel could not allocate its per-thread buffers")
 
 
-def forward_call(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets,
-                 group: int, scale: float, unit: int) -> Tuple[torch.Tensor, torch.Tensor, Grouped]:
-    """The kernel's forward on prepared inputs (see ``grouped_attention_cpu``): out [P, D], lse [P]
-    and the argument block that ``backward_call`` takes, which points into the inputs (keep them alive
-    until the backward) and holds the saved softmax rows. ``backward_call`` takes out and lse again."""
+def _block(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets, group, scale,
+           unit) -> Grouped:
+    """The kernel's argument block for these inputs (the outputs' pointers are set by the caller)."""
     x, s = rows.shape if rows is not None else keys.shape[:2]
     m = 0 if shared_keys is None else shared_keys.shape[1]
-    out, lse = torch.empty_like(q), q.new_empty(q.shape[0])  # [P, D], [P]: the kernel writes every pair ...
-    none = order[offsets[-1]:]  # ... in an expert's run; a pair with no expert gets 0 and -inf
-    out[none], lse[none] = 0.0, float("-inf")
-    # the softmax rows [P, M + S] are kept for the backward when they fit (else recomputed)
-    probs = q.new_empty(q.shape[0], m + s) if q.shape[0] * (m + s) <= tuning.SAVE_ELEMENTS else None
-    args = Grouped(
+    return Grouped(
         experts=x, S=s, D=q.shape[1], M=m, group=group, unit=unit, threads=torch.get_num_threads(),
         pairs=q.shape[0], scale=scale,
         q=_ptr(q), order=_ptr(order), offsets=_ptr(offsets), keys=_ptr(keys), values=_ptr(values), rows=_ptr(rows),
         key_ok=_ptr(key_ok), skeys=_ptr(shared_keys), svalues=_ptr(shared_values), sok=_ptr(shared_ok),
-        out=_ptr(out), lse=_ptr(lse), probs=_ptr(probs),
     )
+
+
+def _saved_rows(q: torch.Tensor, keys: torch.Tensor, rows: Optional[torch.Tensor],
+                shared_keys: Optional[torch.Tensor]) -> int:
+    """Floats per pair of the softmax rows the forward keeps for the backward (M + S), 0 when they do
+    not fit in tuning.SAVE_ELEMENTS (the backward then recomputes them)."""
+    s = rows.shape[1] if rows is not None else keys.shape[1]
+    width = s + (0 if shared_keys is None else shared_keys.shape[1])
+    return width if q.shape[0] * width <= tuning.SAVE_ELEMENTS else 0
+
+
+@custom_op("lra::grouped_forward", mutates_args=(), device_types="cpu")
+def grouped_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, shared_keys: Optional[torch.Tensor],
+                    shared_values: Optional[torch.Tensor], rows: Optional[torch.Tensor], key_ok: Optional[torch.Tensor],
+                    shared_ok: Optional[torch.Tensor], order: torch.Tensor, offsets: torch.Tensor, group: int,
+                    scale: float, unit: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's forward on prepared inputs (see ``grouped_attention_cpu``): out [P, D], lse [P] and
+    the softmax rows [P, M + S] kept for the backward ([P, 0] when they do not fit)."""
+    out, lse = torch.empty_like(q), q.new_empty(q.shape[0])  # [P, D], [P]: the kernel writes every pair ...
+    none = order[offsets[-1]:]  # ... in an expert's run; a pair with no expert gets 0 and -inf
+    out[none], lse[none] = 0.0, float("-inf")
+    # softmax rows in sorted pair order: the kernel writes the rows of the pairs in an expert's run
+    probs = q.new_empty(q.shape[0], _saved_rows(q, keys, rows, shared_keys))
+    probs[offsets[-1]:] = 0.0
+    args = _block(q, keys, values, shared_keys, shared_values, rows, _all_true(key_ok), _all_true(shared_ok), order,
+                  offsets, group, scale, unit)
+    args.out, args.lse, args.probs = _ptr(out), _ptr(lse), _ptr(probs)
     _call("grouped_forward", args)
-    args.probs_tensor = probs
-    return out, lse, args
+    return out, lse, probs
 
 
-def backward_call(args: Grouped, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                  shared_keys: Optional[torch.Tensor], shared_values: Optional[torch.Tensor],
-                  order: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                  d_out: torch.Tensor, d_lse: Optional[torch.Tensor]):
-    """The kernel's backward for the forward whose block ``args`` is, given that forward's out and lse
-    (the backward reads both: where the softmax rows were not saved it recomputes them from lse): dq, d keys, d values and the shared tables' gradients (None without
-    them), new tensors."""
+@register_fake("lra::grouped_forward")
+def _(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets, group, scale, unit):
+    return torch.empty_like(q), q.new_empty(q.shape[0]), q.new_empty(q.shape[0], _saved_rows(q, keys, rows, shared_keys))
+
+
+@custom_op("lra::grouped_backward", mutates_args=(), device_types="cpu")
+def grouped_backward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, shared_keys: Optional[torch.Tensor],
+                     shared_values: Optional[torch.Tensor], rows: Optional[torch.Tensor], key_ok: Optional[torch.Tensor],
+                     shared_ok: Optional[torch.Tensor], order: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, probs: torch.Tensor, d_out: torch.Tensor, d_lse: Optional[torch.Tensor],
+                     group: int, scale: float, unit: int
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's backward of ``grouped_forward`` (given its out, lse and softmax rows; where the
+    rows were not kept it recomputes them from lse): dq, d keys, d values and the shared tables'
+    gradients ([0] without shared tables), new tensors."""
     d_out = d_out.to(q.dtype).contiguous()
     d_lse = None if d_lse is None else d_lse.to(q.dtype).contiguous()  # [P]
     dq = torch.empty_like(q)
     d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)
-    d_shared_keys = None if shared_keys is None else torch.zeros_like(shared_keys)
-    d_shared_values = None if shared_values is None else torch.zeros_like(shared_values)
+    d_shared_keys = q.new_empty(0) if shared_keys is None else torch.zeros_like(shared_keys)
+    d_shared_values = q.new_empty(0) if shared_values is None else torch.zeros_like(shared_values)
     # pairs with no expert are outside every expert's run: their dq is set here
     dq[order[offsets[-1]:]] = 0.0
-    # the saved tensors are the forward's own (no copies): the forward's pointers still hold
     offset = q.new_empty(q.shape[0])  # [P], filled by the kernel
-    args.out, args.lse = _ptr(out), _ptr(lse)
+    args = _block(q, keys, values, shared_keys, shared_values, rows, _all_true(key_ok), _all_true(shared_ok), order,
+                  offsets, group, scale, unit)
+    args.out, args.lse, args.probs = _ptr(out), _ptr(lse), _ptr(probs)
     args.dout, args.dlse, args.offset, args.dq = _ptr(d_out), _ptr(d_lse), _ptr(offset), _ptr(dq)
     args.dkeys, args.dvalues = _ptr(d_keys), _ptr(d_values)
     args.dskeys, args.dsvalues = _ptr(d_shared_keys), _ptr(d_shared_values)
@@ -136,25 +184,32 @@ def backward_call(args: Grouped, q: torch.Tensor, keys: torch.Tensor, values: to
     return dq, d_keys, d_values, d_shared_keys, d_shared_values
 
 
-class GroupedAttentionCPU(torch.autograd.Function):
-    """softmax(scale q K_e^T) V_e for each pair with its log-sum-exp, on grouped_cpu.c."""
+@register_fake("lra::grouped_backward")
+def _(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets, out, lse, probs, d_out,
+      d_lse, group, scale, unit):
+    shared = [q.new_empty(0) if t is None else torch.empty_like(t) for t in (shared_keys, shared_values)]
+    return torch.empty_like(q), torch.empty_like(keys), torch.empty_like(values), *shared
 
-    @staticmethod
-    def forward(ctx, q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets,
-                group: int, scale: float, unit: int, with_lse: bool):
-        out, lse, ctx.args = forward_call(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok,
-                                          order, offsets, group, scale, unit)
-        ctx.save_for_backward(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, out, lse,
-                              order, offsets)
-        ctx.with_lse = with_lse
-        return out, lse if with_lse else q.new_empty(0)
 
-    @staticmethod
-    def backward(ctx, d_out: torch.Tensor, d_lse: torch.Tensor):
-        q, keys, values, shared_keys, shared_values, _, _, _, out, lse, order, offsets = ctx.saved_tensors
-        grads = backward_call(ctx.args, q, keys, values, shared_keys, shared_values, order, offsets, out, lse, d_out,
-                              d_lse if ctx.with_lse else None)
-        return *grads, *[None] * 9
+def _grouped_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs[:10], *output)
+    ctx.group, ctx.scale, ctx.unit = inputs[10:]
+
+
+def _grouped_grad(ctx, d_out: Optional[torch.Tensor], d_lse: Optional[torch.Tensor], _d_probs):
+    q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets, out, lse, probs = (
+        ctx.saved_tensors)
+    if d_out is None:
+        d_out = torch.zeros_like(out)
+    dq, d_keys, d_values, d_shared_keys, d_shared_values = grouped_backward(
+        q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets, out, lse, probs, d_out,
+        d_lse, ctx.group, ctx.scale, ctx.unit)
+    if shared_keys is None:
+        d_shared_keys = d_shared_values = None
+    return dq, d_keys, d_values, d_shared_keys, d_shared_values, *[None] * 8
+
+
+register_autograd("lra::grouped_forward", _grouped_grad, setup_context=_grouped_setup)
 
 
 def grouped_attention_cpu(
@@ -193,34 +248,70 @@ def grouped_attention_cpu(
     shared_ok = None if shared_ok is None else shared_ok.contiguous().view(torch.uint8)
     rows = None if rows is None else rows.contiguous()
     order, offsets = expert_runs(expert, experts)
-    return GroupedAttentionCPU.apply(q.contiguous(), keys, values, shared_keys, shared_values, rows, key_ok, shared_ok,
-                                     order, offsets, group, scale, unit, with_lse)
+    out, lse, _ = grouped_forward(q.contiguous(), keys, values, shared_keys, shared_values, rows, key_ok, shared_ok,
+                                  order, offsets, group, scale, unit)
+    return out, lse if with_lse else q.new_empty(0)
 
 
-class MergeCPU(torch.autograd.Function):
-    """reference.merge on grouped_cpu.c: parts [R, E, D], lse [R, E] -> [R, D] (slot_major: parts
-    [E, R, D], lse [E, R])."""
+def _merge_shapes(parts: torch.Tensor, slot_major: bool) -> Tuple[int, int, int]:
+    """(R, E, D) of parts [R, E, D], or [E, R, D] when slot_major."""
+    e, r, d = parts.shape if slot_major else (parts.shape[1], parts.shape[0], parts.shape[2])
+    return r, e, d
 
-    @staticmethod
-    def forward(ctx, parts: torch.Tensor, lse: torch.Tensor, slot_major: bool):
-        e, r, d = parts.shape if slot_major else (parts.shape[1], parts.shape[0], parts.shape[2])
-        weights, out = parts.new_empty(r, e), parts.new_empty(r, d)
-        args = Merge(R=r, E=e, D=d, threads=torch.get_num_threads(), slot_major=int(slot_major), parts=_ptr(parts),
-                     lse=_ptr(lse), weights=_ptr(weights), out=_ptr(out))
-        library().merge_parts(ctypes.byref(args), 0)
-        ctx.save_for_backward(parts, lse, weights, out)
-        ctx.args = args
-        return out
 
-    @staticmethod
-    def backward(ctx, d_out: torch.Tensor):
-        parts, lse, *_ = ctx.saved_tensors  # (the forward's own tensors: its pointers still hold)
-        d_out = d_out.to(parts.dtype).contiguous()
-        d_parts, d_lse = torch.empty_like(parts), torch.empty_like(lse)
-        args = ctx.args
-        args.dout, args.dparts, args.dlse = _ptr(d_out), _ptr(d_parts), _ptr(d_lse)
-        library().merge_parts(ctypes.byref(args), 1)
-        return d_parts, d_lse, None
+def _merge_block(parts: torch.Tensor, lse: torch.Tensor, slot_major: bool) -> Merge:
+    r, e, d = _merge_shapes(parts, slot_major)
+    return Merge(R=r, E=e, D=d, threads=torch.get_num_threads(), slot_major=int(slot_major), parts=_ptr(parts),
+                 lse=_ptr(lse))
+
+
+@custom_op("lra::merge_parts", mutates_args=(), device_types="cpu")
+def merge_parts(parts: torch.Tensor, lse: torch.Tensor, slot_major: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """reference.merge on the kernel, contiguous float32: out [R, D] and the parts' weights [R, E]."""
+    r, e, d = _merge_shapes(parts, slot_major)
+    weights, out = parts.new_empty(r, e), parts.new_empty(r, d)
+    args = _merge_block(parts, lse, slot_major)
+    args.weights, args.out = _ptr(weights), _ptr(out)
+    library().merge_parts(ctypes.byref(args), 0)
+    return out, weights
+
+
+@register_fake("lra::merge_parts")
+def _(parts, lse, slot_major):
+    r, e, d = _merge_shapes(parts, slot_major)
+    return parts.new_empty(r, d), parts.new_empty(r, e)
+
+
+@custom_op("lra::merge_parts_backward", mutates_args=(), device_types="cpu")
+def merge_parts_backward(parts: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
+                         d_out: torch.Tensor, slot_major: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``merge_parts`` for d_out [R, D]: d parts and d lse, in the parts' layout."""
+    d_out = d_out.to(parts.dtype).contiguous()
+    d_parts, d_lse = torch.empty_like(parts), torch.empty_like(lse)
+    args = _merge_block(parts, lse, slot_major)
+    args.weights, args.out = _ptr(weights), _ptr(out)
+    args.dout, args.dparts, args.dlse = _ptr(d_out), _ptr(d_parts), _ptr(d_lse)
+    library().merge_parts(ctypes.byref(args), 1)
+    return d_parts, d_lse
+
+
+@register_fake("lra::merge_parts_backward")
+def _(parts, lse, out, weights, d_out, slot_major):
+    return torch.empty_like(parts), torch.empty_like(lse)
+
+
+def _merge_setup(ctx, inputs, output) -> None:
+    parts, lse, ctx.slot_major = inputs
+    ctx.save_for_backward(parts, lse, *output)
+
+
+def _merge_grad(ctx, d_out: Optional[torch.Tensor], _d_weights):
+    parts, lse, out, weights = ctx.saved_tensors
+    d_parts, d_lse = merge_parts_backward(parts, lse, out, weights, d_out, ctx.slot_major)
+    return d_parts, d_lse, None
+
+
+register_autograd("lra::merge_parts", _merge_grad, setup_context=_merge_setup)
 
 
 def merge_cpu(parts: torch.Tensor, lse: torch.Tensor, slot_major: bool = False) -> torch.Tensor:
@@ -229,4 +320,4 @@ def merge_cpu(parts: torch.Tensor, lse: torch.Tensor, slot_major: bool = False) 
     about ten tensor operations each. Inputs the kernel does not take go to reference.merge."""
     if not fits(parts):
         return merge(parts, lse, slot_major)
-    return MergeCPU.apply(parts.contiguous(), lse.to(parts.dtype).contiguous(), slot_major)
+    return merge_parts(parts.contiguous(), lse.to(parts.dtype).contiguous(), slot_major)[0]

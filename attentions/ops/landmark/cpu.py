@@ -13,7 +13,9 @@ q . L_j and the argmax in one pass, without the [B, H, N, m] gate tensor.
 
 Each gives its PyTorch form's results (reference.py) up to float rounding (tests/test_landmark_cpu.py);
 other dtypes and devices, and machines where the kernel cannot be built, keep the PyTorch forms
-(``refusals`` says why).
+(``refusals`` says why). The kernels' entries are torch.library operators (``lra::pool_bins``,
+``lra::landmark_forward``, ``lra::route_best``, their backwards), with fake implementations for
+torch.compile and autograd over saved tensors.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import ctypes
 from typing import List, Optional, Tuple
 
 import torch
+from torch.library import custom_op, register_autograd, register_fake
 
 from ... import masking
 from .. import native
@@ -75,42 +78,69 @@ class Pool(ctypes.Structure):
         (name, _ptr_t) for name in ("starts", "ends", "x", "dout", "out", "dx")]
 
 
-def pool_forward(x: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, heads: int) -> Tuple[torch.Tensor, Pool]:
-    """Bin means of x [G, N, D] (contiguous float32) over bins [start, end) per sequence ([G / heads, m]
-    each) -> [G, m, D], and the argument block that ``pool_backward`` takes."""
+def _pool_block(starts: torch.Tensor, ends: torch.Tensor, heads: int, g: int, n: int, d: int) -> Pool:
+    return Pool(G=g, m=starts.shape[1], N=n, D=d, heads=heads, threads=torch.get_num_threads(), starts=_ptr(starts),
+                ends=_ptr(ends))
+
+
+@custom_op("lra::pool_bins", mutates_args=(), device_types="cpu")
+def pool_bins(x: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, heads: int) -> torch.Tensor:
+    """Bin means of x [G, N, D] (contiguous float32) over bins [start, end) per sequence (starts, ends
+    [G / heads, m] long) -> [G, m, D]."""
     g, n, d = x.shape
     out = x.new_empty(g, starts.shape[1], d)
-    args = Pool(G=g, m=starts.shape[1], N=n, D=d, heads=heads, threads=torch.get_num_threads(), backward=0,
-                starts=_ptr(starts), ends=_ptr(ends), x=_ptr(x), out=_ptr(out))
+    args = _pool_block(starts, ends, heads, g, n, d)
+    args.backward, args.x, args.out = 0, _ptr(x), _ptr(out)
     _check(library().pool_bins(ctypes.byref(args)))
-    return out, args
+    return out
 
 
-def pool_backward(args: Pool, d_out: torch.Tensor, dx: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The gradient of ``pool_forward`` for d_out [G, m, D]: a new [G, N, D] tensor, or added to ``dx``
-    (contiguous float32) when given. The forward's starts and ends must still be alive."""
+@register_fake("lra::pool_bins")
+def _(x, starts, ends, heads):
+    return x.new_empty(x.shape[0], starts.shape[1], x.shape[2])
+
+
+@custom_op("lra::pool_bins_backward_add", mutates_args=("dx",), device_types="cpu")
+def pool_bins_backward_add(d_out: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, heads: int,
+                           dx: torch.Tensor) -> None:
+    """Adds the gradient of ``pool_bins`` for d_out [G, m, D] into dx [G, N, D] (contiguous float32)."""
+    g, n, d = dx.shape
     d_out = d_out.to(torch.float32).contiguous()
-    accumulate = dx is not None
-    if dx is None:
-        dx = d_out.new_empty(args.G, args.N, args.D)
-    args.backward, args.accumulate, args.dout, args.dx = 1, int(accumulate), _ptr(d_out), _ptr(dx)
+    args = _pool_block(starts, ends, heads, g, n, d)
+    args.backward, args.accumulate, args.dout, args.dx = 1, 1, _ptr(d_out), _ptr(dx)
+    _check(library().pool_bins(ctypes.byref(args)))
+
+
+@custom_op("lra::pool_bins_backward", mutates_args=(), device_types="cpu")
+def pool_bins_backward(d_out: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, heads: int,
+                       n: int) -> torch.Tensor:
+    """The gradient of ``pool_bins`` for d_out [G, m, D]: a new [G, n, D] tensor."""
+    d_out = d_out.to(torch.float32).contiguous()
+    g, _, d = d_out.shape
+    dx = d_out.new_empty(g, n, d)
+    args = _pool_block(starts, ends, heads, g, n, d)
+    args.backward, args.accumulate, args.dout, args.dx = 1, 0, _ptr(d_out), _ptr(dx)
     _check(library().pool_bins(ctypes.byref(args)))
     return dx
 
 
-class PoolBinsCPU(torch.autograd.Function):
-    """Bin means of x [G, N, D] over bins [start, end) per sequence ([G / heads, m] each) -> [G, m, D]."""
+@register_fake("lra::pool_bins_backward")
+def _(d_out, starts, ends, heads, n):
+    return d_out.new_empty(d_out.shape[0], n, d_out.shape[2], dtype=torch.float32)
 
-    @staticmethod
-    def forward(ctx, x, starts, ends, heads: int):
-        out, ctx.args = pool_forward(x, starts, ends, heads)
-        ctx.save_for_backward(starts, ends)
-        return out
 
-    @staticmethod
-    def backward(ctx, d_out: torch.Tensor):
-        _ = ctx.saved_tensors  # (starts, ends: the pointers in ctx.args)
-        return pool_backward(ctx.args, d_out), None, None, None
+def _pool_setup(ctx, inputs, output) -> None:
+    x, starts, ends, ctx.heads = inputs
+    ctx.n = x.shape[1]
+    ctx.save_for_backward(starts, ends)
+
+
+def _pool_grad(ctx, d_out: torch.Tensor):
+    starts, ends = ctx.saved_tensors
+    return pool_bins_backward(d_out, starts, ends, ctx.heads, ctx.n), None, None, None
+
+
+register_autograd("lra::pool_bins", _pool_grad, setup_context=_pool_setup)
 
 
 def kernel_bins(mask: Optional[torch.Tensor], b: int, n: int, bins: int, device: torch.device
@@ -127,62 +157,90 @@ def pool_queries(q: torch.Tensor, mask: Optional[torch.Tensor], bins: int) -> Tu
     and zeros beyond) -> landmarks [B, H, bins, D] and real bins [B, bins]."""
     b, h, n, d = q.shape
     starts, ends, real = kernel_bins(mask, b, n, bins, q.device)
-    pooled = PoolBinsCPU.apply(q.reshape(b * h, n, d).contiguous(), starts, ends, h)
+    pooled = pool_bins(q.reshape(b * h, n, d).contiguous(), starts, ends, h)
     return pooled.view(b, h, bins, d), real
 
 
-def landmark_forward(
-    marks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_ok: Optional[torch.Tensor], heads: int
-) -> Tuple[torch.Tensor, torch.Tensor, Landmarks]:
-    """Shared values [G, m, D], scores [G, m, N] and the argument block of ``landmark_backward``, for
-    pre-scaled marks [G, m, D], keys and values [G, N, D] (contiguous float32), key_ok [G / heads, N]
-    uint8 or None. The block points into the inputs and results: keep them alive for the backward."""
+def _landmark_block(marks, keys, values, key_ok, heads: int) -> Landmarks:
+    g, m, d = marks.shape
+    return Landmarks(G=g, m=m, N=keys.shape[1], D=d, heads=heads, threads=torch.get_num_threads(), marks=_ptr(marks),
+                     keys=_ptr(keys), values=_ptr(values), key_ok=_ptr(key_ok))
+
+
+@custom_op("lra::landmark_forward", mutates_args=(), device_types="cpu")
+def landmark_forward(marks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_ok: Optional[torch.Tensor],
+                     heads: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Shared values [G, m, D], scores [G, m, N] and each landmark's log-sum-exp [G, m] (which the
+    backward reads), for pre-scaled marks [G, m, D], keys and values [G, N, D] (contiguous float32),
+    key_ok [G / heads, N] uint8 or None."""
     g, m, d = marks.shape
     n = keys.shape[1]
     scores, lse, shared = marks.new_empty(g, m, n), marks.new_empty(g, m), marks.new_empty(g, m, d)
-    args = Landmarks(G=g, m=m, N=n, D=d, heads=heads, threads=torch.get_num_threads(), marks=_ptr(marks),
-                     keys=_ptr(keys), values=_ptr(values), key_ok=_ptr(key_ok), scores=_ptr(scores),
-                     lse=_ptr(lse), shared=_ptr(shared))
+    args = _landmark_block(marks, keys, values, key_ok, heads)
+    args.scores, args.lse, args.shared = _ptr(scores), _ptr(lse), _ptr(shared)
     _check(library().landmark_forward(ctypes.byref(args)))
-    args._lse = lse  # (only the kernel reads it)
-    return shared, scores, args
+    return shared, scores, lse
 
 
-def landmark_backward(
-    args: Landmarks, d_shared: torch.Tensor, grads: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """d marks [G, m, D], d keys, d values [G, N, D] of ``landmark_forward`` for d_shared [G, m, D]:
-    new tensors, or added to ``grads`` (three contiguous float32 tensors of those shapes) when given."""
+@register_fake("lra::landmark_forward")
+def _(marks, keys, values, key_ok, heads):
+    g, m, d = marks.shape
+    return marks.new_empty(g, m, d), marks.new_empty(g, m, keys.shape[1]), marks.new_empty(g, m)
+
+
+def _landmark_backward(marks, keys, values, key_ok, scores, lse, shared, d_shared, heads, grads, accumulate) -> None:
+    args = _landmark_block(marks, keys, values, key_ok, heads)
+    args.scores, args.lse, args.shared, args.accumulate = _ptr(scores), _ptr(lse), _ptr(shared), int(accumulate)
+    # (named: the tensor a pointer is taken of must outlive the call)
     d_shared = d_shared.to(torch.float32).contiguous()
-    if grads is None:
-        grads = (d_shared.new_empty(args.G, args.m, args.D), d_shared.new_empty(args.G, args.N, args.D),
-                 d_shared.new_empty(args.G, args.N, args.D))
-        args.accumulate = 0
-    else:
-        args.accumulate = 1
-    args.dshared, args.dmarks, args.dkeys, args.dvalues = _ptr(d_shared), *[_ptr(t) for t in grads]
+    args.dshared = _ptr(d_shared)
+    args.dmarks, args.dkeys, args.dvalues = (_ptr(t) for t in grads)
     _check(library().landmark_backward(ctypes.byref(args)))
+
+
+@custom_op("lra::landmark_backward", mutates_args=(), device_types="cpu")
+def landmark_backward(marks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_ok: Optional[torch.Tensor],
+                      scores: torch.Tensor, lse: torch.Tensor, shared: torch.Tensor, d_shared: torch.Tensor,
+                      heads: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """d marks [G, m, D], d keys, d values [G, N, D] of ``landmark_forward`` (given its scores, lse and
+    shared values) for d_shared [G, m, D], new tensors."""
+    grads = (torch.empty_like(marks), torch.empty_like(keys), torch.empty_like(values))
+    _landmark_backward(marks, keys, values, key_ok, scores, lse, shared, d_shared, heads, grads, False)
     return grads
 
 
-class LandmarkPassCPU(torch.autograd.Function):
-    """(softmax(S) V, S) with S = marks K^T (-inf at masked keys), per head, on landmark_cpu.c."""
+@register_fake("lra::landmark_backward")
+def _(marks, keys, values, key_ok, scores, lse, shared, d_shared, heads):
+    return torch.empty_like(marks), torch.empty_like(keys), torch.empty_like(values)
 
-    @staticmethod
-    def forward(ctx, marks, keys, values, key_ok, heads: int):
-        shared, scores, ctx.args = landmark_forward(marks, keys, values, key_ok, heads)
-        ctx.save_for_backward(marks, keys, values, key_ok, scores, shared)
-        ctx.mark_non_differentiable(scores)
-        # the scores' gradient is never used: no [G, m, N] zeros made for it
-        ctx.set_materialize_grads(False)
-        return shared, scores
 
-    @staticmethod
-    def backward(ctx, d_shared: Optional[torch.Tensor], _d_scores: None):
-        _ = ctx.saved_tensors  # (the forward's own tensors: the pointers in ctx.args still hold)
-        if d_shared is None:
-            return None, None, None, None, None
-        return (*landmark_backward(ctx.args, d_shared), None, None)
+@custom_op("lra::landmark_backward_add", mutates_args=("d_marks", "d_keys", "d_values"), device_types="cpu")
+def landmark_backward_add(marks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          key_ok: Optional[torch.Tensor], scores: torch.Tensor, lse: torch.Tensor,
+                          shared: torch.Tensor, d_shared: torch.Tensor, heads: int, d_marks: torch.Tensor,
+                          d_keys: torch.Tensor, d_values: torch.Tensor) -> None:
+    """``landmark_backward`` added into d_marks, d_keys, d_values (contiguous float32) instead of new tensors."""
+    _landmark_backward(marks, keys, values, key_ok, scores, lse, shared, d_shared, heads, (d_marks, d_keys, d_values),
+                       True)
+
+
+def _landmark_setup(ctx, inputs, output) -> None:
+    marks, keys, values, key_ok, ctx.heads = inputs
+    ctx.save_for_backward(marks, keys, values, key_ok, *output)
+    # the scores feed a top-k choice only, and the log-sum-exp the backward: neither takes a gradient
+    # (and no [G, m, N] zeros are made for the scores')
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+
+
+def _landmark_grad(ctx, d_shared: Optional[torch.Tensor], _d_scores, _d_lse):
+    marks, keys, values, key_ok, shared, scores, lse = ctx.saved_tensors
+    if d_shared is None:
+        return None, None, None, None, None
+    return (*landmark_backward(marks, keys, values, key_ok, scores, lse, shared, d_shared, ctx.heads), None, None)
+
+
+register_autograd("lra::landmark_forward", _landmark_grad, setup_context=_landmark_setup)
 
 
 def landmark_pass(
@@ -194,22 +252,32 @@ def landmark_pass(
     b, h, m, d = marks.shape
     n = k.shape[2]
     key_ok = None if mask is None else mask.contiguous().view(torch.uint8)  # [B, N]
-    shared, scores = LandmarkPassCPU.apply(
+    shared, scores, _ = landmark_forward(
         marks.reshape(b * h, m, d).contiguous(), k.reshape(b * h, n, d).contiguous(),
         v.reshape(b * h, n, d).contiguous(), key_ok, h)
-    return shared.view(b, h, m, d), scores.view(b, h, m, n)
+    return shared.view(b, h, m, d), scores.detach().view(b, h, m, n)
 
 
-@torch.no_grad()
+@custom_op("lra::route_best", mutates_args=(), device_types="cpu")
+def route_best_op(q: torch.Tensor, marks: torch.Tensor, mark_ok: Optional[torch.Tensor]) -> torch.Tensor:
+    """argmax_j q . marks_j over the landmarks with mark_ok (uint8 [G, m], or None: all real), -1 where
+    a head has none: q [G, N, D], marks [G, m, D] contiguous float32 -> [G, N] long."""
+    g, n, d = q.shape
+    best = torch.empty(g, n, dtype=torch.long)
+    mark_ok = None if mark_ok is None or bool(mark_ok.all()) else mark_ok
+    args = Landmarks(G=g, m=marks.shape[1], N=n, D=d, heads=1, threads=torch.get_num_threads(), marks=_ptr(marks))
+    _check(library().route_best(ctypes.byref(args), _ptr(q), _ptr(mark_ok), _ptr(best)))
+    return best
+
+
+@register_fake("lra::route_best")
+def _(q, marks, mark_ok):
+    return q.new_empty(q.shape[0], q.shape[1], dtype=torch.long)
+
+
 def route_best(q: torch.Tensor, marks: torch.Tensor, real_marks: Optional[torch.Tensor]) -> torch.Tensor:
     """Each query's best real landmark: argmax_j q . marks_j over the landmarks with real_marks
     (the first of equal values), -1 where a head has none. q [G, N, D], marks [G, m, D],
     real_marks [G, m] bool or None (all real) -> [G, N] long."""
-    g, n, d = q.shape
-    m = marks.shape[1]
-    best = torch.empty(g, n, dtype=torch.long)
-    q, marks = q.contiguous(), marks.contiguous()  # (named, so they live through the call)
     mark_ok = None if real_marks is None else real_marks.contiguous().view(torch.uint8)
-    args = Landmarks(G=g, m=m, N=n, D=d, heads=1, threads=torch.get_num_threads(), marks=_ptr(marks))
-    _check(library().route_best(ctypes.byref(args), _ptr(q), _ptr(mark_ok), _ptr(best)))
-    return best
+    return route_best_op(q.detach().contiguous(), marks.detach().contiguous(), mark_ok)

@@ -5,7 +5,8 @@ Query r picks rows idx[r, :] of its group's block of N table rows (group = r // 
 query's (batch, head) over that head's N keys). ``mix_rows`` is the weighted sum of the picked
 rows, ``dot_rows`` their dot products with a query vector, ``scatter_outer`` adds w[r, j] x[r]
 into the picked rows of a gradient. Each equals an indexed torch expression (reference.py, which
-the tests compare against); ``refusals`` says why the kernels do not take an input.
+the tests compare against); ``refusals`` says why the kernels do not take an input. The kernels
+are the torch.library operators ``lra::mix_rows``, ``lra::dot_rows`` and ``lra::scatter_outer``.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import ctypes
 from typing import List, Optional
 
 import torch
+from torch.library import custom_op, register_fake
 
 from .. import native
 
@@ -34,6 +36,7 @@ def refusals(x: torch.Tensor) -> List[str]:
     return native.refusals(x, LIBRARY)
 
 
+@custom_op("lra::mix_rows", mutates_args=(), device_types="cpu")
 def mix_rows(w: torch.Tensor, idx: torch.Tensor, table: torch.Tensor, per_group: int, group_rows: int) -> torch.Tensor:
     """w [R, k], idx [R, k], table [G * N, D] -> [R, D]."""
     w, idx, table = w.contiguous(), idx.contiguous(), table.contiguous()
@@ -43,6 +46,12 @@ def mix_rows(w: torch.Tensor, idx: torch.Tensor, table: torch.Tensor, per_group:
     return out
 
 
+@register_fake("lra::mix_rows")
+def _(w, idx, table, per_group, group_rows):
+    return table.new_empty(w.shape[0], table.shape[1])
+
+
+@custom_op("lra::dot_rows", mutates_args=(), device_types="cpu")
 def dot_rows(x: torch.Tensor, idx: torch.Tensor, table: torch.Tensor, per_group: int, group_rows: int) -> torch.Tensor:
     """x [R, D], idx [R, k], table [G * N, D] -> [R, k]."""
     x, idx, table = x.contiguous(), idx.contiguous(), table.contiguous()
@@ -52,10 +61,22 @@ def dot_rows(x: torch.Tensor, idx: torch.Tensor, table: torch.Tensor, per_group:
     return out
 
 
-def scatter_outer(w: torch.Tensor, idx: torch.Tensor, x: torch.Tensor, grad: torch.Tensor, per_group: int,
-                  group_rows: int) -> torch.Tensor:
-    """grad [G * N, D] (contiguous, float32) += w[r, j] x[r] at the picked rows; returns grad."""
+@register_fake("lra::dot_rows")
+def _(x, idx, table, per_group, group_rows):
+    return x.new_empty(idx.shape)
+
+
+@custom_op("lra::scatter_outer", mutates_args=("grad",), device_types="cpu")
+def scatter_outer_op(w: torch.Tensor, idx: torch.Tensor, x: torch.Tensor, grad: torch.Tensor, per_group: int,
+                     group_rows: int) -> None:
+    """grad [G * N, D] (contiguous, float32) += w[r, j] x[r] at the picked rows, in place."""
     w, idx, x = w.contiguous(), idx.contiguous(), x.contiguous()
     _library().scatter_outer(w.data_ptr(), idx.data_ptr(), x.data_ptr(), idx.shape[0], idx.shape[1], x.shape[1],
                              per_group, group_rows, grad.data_ptr(), torch.get_num_threads())
+
+
+def scatter_outer(w: torch.Tensor, idx: torch.Tensor, x: torch.Tensor, grad: torch.Tensor, per_group: int,
+                  group_rows: int) -> torch.Tensor:
+    """grad [G * N, D] (contiguous, float32) += w[r, j] x[r] at the picked rows; returns grad."""
+    scatter_outer_op(w, idx, x, grad, per_group, group_rows)
     return grad

@@ -8,6 +8,7 @@ of its step selecting. The kernel bisects on the value with vectorised counting 
 The chosen set is the same as torch.topk's except among equal values at the boundary (the kernel
 takes the lower indices; torch.topk promises no order); values and indices come in no order.
 Other dtypes and devices, and machines where the kernel cannot be built, use torch.topk (dispatch.py).
+The kernel is the torch.library operator ``lra::topk_select``.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import ctypes
 from typing import List, Tuple
 
 import torch
+from torch.library import custom_op, register_fake
 
 from .. import native
 
@@ -36,9 +38,10 @@ def refusals(x: torch.Tensor) -> List[str]:
     return native.refusals(x, LIBRARY)
 
 
+@custom_op("lra::topk_select", mutates_args=(), device_types="cpu")
 def topk_rows(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The k largest values along the last dim of x (float32 on the CPU, 1 <= k < n) and their
-    indices, in no order. [..., n] -> [..., k] x 2."""
+    indices, in no order. [..., n] -> [..., k] x 2. Not differentiable."""
     n = x.shape[-1]
     x = x.contiguous()
     rows = x.numel() // n if n else 0
@@ -48,3 +51,8 @@ def topk_rows(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
                                      torch.get_num_threads()) != 0:
         raise MemoryError("the top-k selection kernel could not allocate its per-thread buffers")
     return values, indices
+
+
+@register_fake("lra::topk_select")
+def _(x, k):
+    return x.new_empty(*x.shape[:-1], k), x.new_empty(*x.shape[:-1], k, dtype=torch.long)

@@ -268,8 +268,10 @@ class MiTAAttention(Attention):
         else:
             expert_k = gather_rows(k.reshape(b * h * n, d), rows)
             expert_v = gather_rows(v.reshape(b * h * n, d), rows)
-        # (on the CPU a check costs nothing, so all-real masks are dropped; on CUDA they stay, no sync)
-        on_cpu = not q.is_cuda
+        # all-real masks are dropped: by the C kernel's operator itself, here for the PyTorch form on the
+        # CPU (where a check costs nothing, and a graph break under torch.compile beside that form's own);
+        # on CUDA they stay (a check would wait for the device)
+        on_cpu = not q.is_cuda and not native
         expert_ok = None if mask is None or (on_cpu and bool(key_ok.all())) else key_ok.view(b * h * m, keys)
         shared = None
         if cfg.shared_expert:

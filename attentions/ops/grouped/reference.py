@@ -11,6 +11,11 @@ softmax weights of all tiles fit in ``tuning.SAVE_ELEMENTS`` they are kept for t
 otherwise tiles run a chunk at a time and are recomputed in the backward pass (as flash attention
 does), so memory stays linear in the number of pairs with no large temporaries.
 ``merge`` combines a query's partial results over several experts by their log-sum-exp.
+
+Under torch.compile this form breaks the graph: the tile size and the number of tiles come from
+the pairs each expert holds (read on the host), so its shapes depend on the data. The C and Triton
+forms have none of that: their operators take the pairs sorted by expert (``expert_runs``, static
+shapes) and size their work inside.
 """
 from __future__ import annotations
 

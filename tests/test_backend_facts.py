@@ -63,7 +63,7 @@ def test_the_flash_baseline_is_an_option_of_full() -> None:
     assert options_on("mita", {"topk": 8}, cuda) == {"topk": 8}
     assert kernel_of("full", cpu) == "sdpa-cpu" and kernel_of("full", cuda) in ("flash-attn", "sdpa-flash")
     # on the CPU "auto" is the C kernel where it builds (a C compiler), else the PyTorch path
-    cpu_kernel = "cpu" if grouped_cpu.fits(torch.zeros(0)) else "torch"
+    cpu_kernel = "cpu" if grouped_cpu.takes(torch.zeros(0)) else "torch"
     assert kernel_of("mita", cpu) == f"attentions.mita ({cpu_kernel} kernel)" and kernel_of("linear", cpu) == "attentions.linear"
     flash = build_attention("full", num_heads=1, head_dim=8, max_len=16, flash=True)
     with pytest.raises(AttentionError, match="flash=True runs on CUDA only"):

@@ -21,7 +21,7 @@ from lra.model import LRAModel
 OPTIONS: Dict[str, dict] = {"mita": {"landmarks": 8, "topk": 8}, "moba": {"block_size": 16, "topk": 2},
                             "topk": {"topk": 8, "chunk_size": 32}}
 BUILT_INS = list_attentions()
-needs_kernels = pytest.mark.skipif(not grouped_cpu.fits(torch.zeros(0)), reason="the C kernels do not build here")
+needs_kernels = pytest.mark.skipif(not grouped_cpu.takes(torch.zeros(0)), reason="the C kernels do not build here")
 
 
 def training_step(name: str, compiler: str, dropout: float) -> Tuple[torch.Tensor, List[torch.Tensor]]:

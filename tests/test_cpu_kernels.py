@@ -18,7 +18,7 @@ from conftest import lengths_mask, rel_err
 from test_grouped_triton import (BACKEND_CASES, GROUPED_CASES, check_all_masked_expert, check_backend_kernel,
                                  check_grouped_against_torch_path, outputs_and_grads, run_grouped)
 
-needs_kernels = pytest.mark.skipif(not grouped_cpu.fits(torch.zeros(0)),
+needs_kernels = pytest.mark.skipif(not grouped_cpu.takes(torch.zeros(0)),
                                    reason="the C kernels do not build here (no C compiler)")
 
 
@@ -103,7 +103,7 @@ def test_kernel_choice_and_its_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     with pytest.raises(AttentionError, match="kernel='cpu' runs on CPU tensors, these are on cuda"):
         pick_grouped("cpu", torch.device("cuda"))
-    expected = grouped_attention_cpu if grouped_cpu.fits(torch.zeros(0)) else grouped_attention
+    expected = grouped_attention_cpu if grouped_cpu.takes(torch.zeros(0)) else grouped_attention
     assert pick_grouped("auto", cpu) is expected
     # a machine where the kernel cannot be built: "auto" keeps the PyTorch path, "cpu" says why
     monkeypatch.setattr(native, "_loaded", {})

@@ -16,7 +16,7 @@ from attentions.ops.row_products import cpu as rows
 from attentions.ops.topk_selection import cpu as selection
 from lra import dropout
 
-needs_kernels = pytest.mark.skipif(not grouped.fits(torch.zeros(0)), reason="the C kernels do not build here")
+needs_kernels = pytest.mark.skipif(not grouped.takes(torch.zeros(0)), reason="the C kernels do not build here")
 
 
 def randn(*shape: int, grad: bool = False) -> torch.Tensor:
@@ -108,7 +108,7 @@ def cases() -> List[Tuple[str, Callable, tuple]]:
     return out
 
 
-CASES = cases() if grouped.fits(torch.zeros(0)) else []
+CASES = cases() if grouped.takes(torch.zeros(0)) else []
 
 
 @needs_kernels

@@ -13,7 +13,7 @@ from lra.cli import call
 
 
 def native_kernels() -> bool:
-    return grouped_cpu.fits(torch.zeros(0))
+    return grouped_cpu.takes(torch.zeros(0))
 
 
 def test_profiles_each_backend_and_length(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

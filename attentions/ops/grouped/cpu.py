@@ -68,7 +68,8 @@ def refusals(x: torch.Tensor) -> List[str]:
     return native.refusals(x, LIBRARY)
 
 
-def fits(x: torch.Tensor) -> bool:
+def takes(x: torch.Tensor) -> bool:
+    """Whether the C kernel takes tensors like ``x`` (float32 on the CPU, built here)."""
     return not refusals(x)
 
 
@@ -98,7 +99,7 @@ def _(x, index):
 def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x.index_select(0, index) for x [R, D] and index [P] (int64, values in [0, R)), on the kernel
     for contiguous float32 CPU tensors; not differentiable (the callers' Functions route gradients)."""
-    if not (fits(x) and x.dim() == 2 and x.is_contiguous() and index.dtype == torch.int64 and index.is_contiguous()):
+    if not (takes(x) and x.dim() == 2 and x.is_contiguous() and index.dtype == torch.int64 and index.is_contiguous()):
         return x.index_select(0, index)
     return take_rows_op(x, index)
 
@@ -229,7 +230,7 @@ def grouped_attention_cpu(
     and expert x holds rows[x]; ``unit``: experts of different runs of ``unit`` experts share no
     key row (a thread takes whole runs; 1 without rows). Inputs the kernel does not take (not
     float32, not on the CPU) go to the PyTorch path."""
-    if not fits(q):
+    if not takes(q):
         if rows is not None:
             keys, values = gather_rows(keys, rows), gather_rows(values, rows)  # [X, S, D]
         return grouped_attention(q, expert, keys, values, key_ok, scale, with_lse, shared)
@@ -318,6 +319,6 @@ def merge_cpu(parts: torch.Tensor, lse: torch.Tensor, slot_major: bool = False) 
     """reference.merge (one softmax over each row's E partial results, [R, E, D] and [R, E] -> [R, D];
     slot_major: [E, R, D] and [E, R]) on the C kernel: one pass forward and one backward instead of
     about ten tensor operations each. Inputs the kernel does not take go to reference.merge."""
-    if not fits(parts):
+    if not takes(parts):
         return merge(parts, lse, slot_major)
     return merge_parts(parts.contiguous(), lse.to(parts.dtype).contiguous(), slot_major)[0]

@@ -58,9 +58,6 @@ def refusals(q: torch.Tensor) -> List[str]:
     return native.refusals(q, LIBRARY)
 
 
-def fits(q: torch.Tensor) -> bool:
-    return not refusals(q)
-
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
@@ -248,7 +245,7 @@ def landmark_pass(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Shared values softmax(S) V [B, H, m, D] and the scores S = marks K^T [B, H, m, N] (-inf at
     padded keys; not differentiable), for landmarks ``marks`` [B, H, m, D] already scaled by
-    1 / sqrt(D). Float32 CPU tensors with the kernel built (``fits``)."""
+    1 / sqrt(D). Float32 CPU tensors with the kernel built (``refusals`` empty)."""
     b, h, m, d = marks.shape
     n = k.shape[2]
     key_ok = None if mask is None else mask.contiguous().view(torch.uint8)  # [B, N]

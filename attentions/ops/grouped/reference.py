@@ -85,10 +85,12 @@ def expert_runs(expert: torch.Tensor, num_experts: int) -> Tuple[torch.Tensor, t
     """Pairs sorted by expert, those with no expert (number X) last, and each expert's run: expert x
     owns order[offsets[x]:offsets[x + 1]] (the grouping of the Triton and C kernels). [P] -> [P], [X + 1]."""
     order = torch.argsort(expert, stable=True)  # [P]
-    # (a scatter-add of ones, not bincount, whose output size depends on the values: torch.compile
-    # traces this one with static shapes)
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=expert.device)
-    counts = counts.scatter_add_(0, expert, torch.ones_like(expert))[:num_experts]  # [X]
+    if torch.compiler.is_compiling():
+        # a scatter-add of ones: bincount's output size depends on the values, which breaks the graph
+        counts = torch.zeros(num_experts + 1, dtype=torch.long, device=expert.device)
+        counts = counts.scatter_add_(0, expert, torch.ones_like(expert))[:num_experts]  # [X]
+    else:
+        counts = torch.bincount(expert, minlength=num_experts + 1)[:num_experts]  # [X]
     return order, torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0))
 
 

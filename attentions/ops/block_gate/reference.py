@@ -1,5 +1,9 @@
 """MoBA's gate, the PyTorch form: each query's best key blocks by the dot product with the blocks'
-mean keys, its own block forced in, all-padding blocks never chosen."""
+mean keys, its own block forced in, all-padding blocks never chosen.
+
+On the CPU it reads on the host whether any block is empty (skipping the fill when none is), a graph
+break under torch.compile; the kernel's operator (cpu.py) has none.
+"""
 from __future__ import annotations
 
 from typing import Tuple

@@ -15,16 +15,26 @@ import torch.nn.functional as F
 from .base import AttentionError
 
 
+RIGHT_PADDED = "padding masks must be right-padded (real tokens first, then padding)"
+NOT_EMPTY = "every sequence needs at least one real token; got a row of padding only"
+
+
 def real_lengths(mask: Optional[torch.Tensor], batch: int, n: int, device: torch.device) -> torch.Tensor:
     """Real length of each sequence [B] (long); ``n`` for every row when there is no mask."""
     if mask is None:
         return torch.full((batch,), n, dtype=torch.long, device=device)
     lengths = mask.sum(dim=-1)  # [B]
     positions = torch.arange(n, device=mask.device)
+    if torch.compiler.is_compiling():
+        # in a compiled graph the checks are asserts of the graph (a RuntimeError with the same
+        # words), not a host read of the mask that would break the graph in two
+        torch._assert_async((mask == (positions[None, :] < lengths[:, None])).all(), RIGHT_PADDED)
+        torch._assert_async((lengths > 0).all(), NOT_EMPTY)
+        return lengths
     if not torch.equal(mask, positions[None, :] < lengths[:, None]):
-        raise AttentionError("padding masks must be right-padded (real tokens first, then padding)")
+        raise AttentionError(RIGHT_PADDED)
     if bool((lengths == 0).any()):
-        raise AttentionError("every sequence needs at least one real token; got a row of padding only")
+        raise AttentionError(NOT_EMPTY)
     return lengths
 
 

@@ -10,9 +10,9 @@ and O((m + k) N) memory: building the experts is O(m N D), each query then costs
 experts_per_query = E > 1 follows the authors' variant: each query goes to its E best landmarks
 (top-E of q . L_j) and each expert keeps k // E keys, all in one softmax with the m landmark logits;
 a key in two of a query's experts counts twice. shared_expert = False drops the landmark logits.
-The fast path groups queries by expert (attentions/grouped.py; on the CPU the C kernel of
-grouped_cpu.py, which reads the expert keys by index, and for the default form the whole layer as
-one autograd Function on the C kernels, mita_cpu.py); ``reference`` is the plain form.
+The fast path groups queries by expert (ops/grouped; on the CPU the C kernel, which reads the expert
+keys by index, and for the default form the whole layer as one operator on the C kernels,
+ops/landmark/mita_layer_cpu.py); ``reference`` is the plain form.
 """
 from __future__ import annotations
 
@@ -23,21 +23,20 @@ from typing import Optional, Tuple
 
 import torch
 
-from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs, chunk_rows, in_batch_chunks
-from .grouped import gather_rows, merge
-from .grouped_cpu import grouped_attention_cpu, merge_cpu
-from .grouped_triton import check_kernel, kernel_name, pick_grouped
-from .landmark_cpu import fits as landmark_kernel_fits, landmark_pass, pool_queries, route_best
+from .ops import landmark
+from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
 from .masking import pool_real, real_key_mask
-from .mita_cpu import MiTACPU
+from .ops import tuning
+from .ops.grouped import check_kernel, gather_rows, kernel_name, merge, pick_grouped
+from .ops.grouped.cpu import grouped_attention_cpu, merge_cpu
+from .ops.landmark import landmark_scores
+from .ops.landmark.cpu import landmark_pass, pool_queries, route_best
+from .ops.landmark.mita_layer_cpu import MiTACPU
+from .ops.topk_selection import topk_unsorted
 from .registry import register
-from .select import topk_unsorted
 
-# routing scores [B, H, chunk, m] computed at once on the CPU, in elements (bounds memory, not results;
-# a GPU takes more: base.chunk_rows)
-ROUTE_ELEMENTS = 1 << 22
-# the default form on the CPU kernels as one autograd Function (mita_cpu.py); off: the composed
-# path of the same kernels (the tests compare the two)
+# the default form on the CPU kernels as one operator (ops/landmark/mita_layer_cpu.py); off: the
+# composed path of the same kernels (the tests compare the two)
 FUSED_CPU = True
 
 
@@ -97,22 +96,6 @@ def reference(
     return weights[..., :landmarks] @ shared_values + (weights[..., landmarks:, None] * expert_v).sum(-2)
 
 
-def landmark_scores(
-    q: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor], landmarks: int
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Step 1 and the scores of step 2: landmarks [B, H, m, D], real landmarks [B, m] and each
-    landmark's scaled key scores [B, H, m, N] (padded keys -inf)."""
-    marks, real_marks = pool_real(q, mask, landmarks)
-    # on the CPU k transposed into a contiguous [B, H, D, N] copy: a matmul against a transposed view
-    # is ~5x slower there, and the backward's d k comes back through the copy; a GPU's matmul reads
-    # the view as it is
-    k_t = k.transpose(-1, -2) if k.is_cuda else k.transpose(-1, -2).contiguous()  # [B, H, D, N]
-    scores = (marks / math.sqrt(q.shape[-1])) @ k_t  # [B, H, m, N]
-    if mask is not None:
-        scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
-    return marks, real_marks, scores
-
-
 def top_keys(scores: torch.Tensor, keys: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The choice of step 2: each landmark's ``keys`` best keys [B, H, m, keys] (in no order) and
     which of them are real keys."""
@@ -126,9 +109,9 @@ def build_experts(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Steps 1-3: landmarks [B, H, m, D], real landmarks [B, m], each landmark's key index
     [B, H, m, keys] and which of those are real keys [B, H, m, keys], shared values [B, H, m, D].
-    native: the landmarks, scores and shared values from the C kernels (landmark_cpu.py) where they
+    native: the landmarks, scores and shared values from the C kernels (ops/landmark) where they
     take the inputs (float32 on the CPU), instead of the PyTorch pooling matrix, matmuls and softmax."""
-    if native and landmark_kernel_fits(q):
+    if native and landmark.takes(q):
         marks, real_marks = pool_queries(q, mask, landmarks)
         shared_values, scores = landmark_pass(marks / math.sqrt(q.shape[-1]), k, v, mask)
     else:
@@ -146,13 +129,13 @@ def route(
 
     q: [B, H, N, D], marks: [B, H, m, D], real_marks: [B*H, m] -> [B*H, N, E]; a choice that falls
     on a missing landmark (a sequence shorter than E) becomes B*H*m, meaning no expert.
-    native: one expert per query from the C kernel (landmark_cpu.route_best) where it takes the inputs.
+    native: one expert per query from the C kernel (ops/landmark/cpu.route_best) where it takes the inputs.
     all_real: the caller knows every landmark is real (no mask, N >= m): no masking of the scores.
     """
     b, h, n, d = q.shape
     m = marks.shape[2]
     heads = torch.arange(b * h, device=q.device)[:, None, None] * m
-    if native and per_query == 1 and landmark_kernel_fits(q):
+    if native and per_query == 1 and landmark.takes(q):
         best = route_best(q.reshape(b * h, n, d), marks.reshape(b * h, m, d), real_marks)[..., None]  # [B*H, N, 1]
         return torch.where(best >= 0, best + heads, b * h * m)
     missing = None
@@ -163,7 +146,7 @@ def route(
     choice = torch.empty(b, h, n, per_query, dtype=torch.long, device=q.device)
     with torch.no_grad():
         # a chunk of queries at a time: the [B, H, chunk, m] scores stay small
-        chunk = chunk_rows(ROUTE_ELEMENTS, b * h * m, q.device)
+        chunk = tuning.chunk_rows(tuning.ROUTE_ELEMENTS, b * h * m, q.device)
         for start in range(0, n, chunk):
             rows = slice(start, min(start + chunk, n))
             gate = q[:, :, rows] @ marks.transpose(-1, -2)  # [B, H, chunk, m]
@@ -255,7 +238,7 @@ class MiTAAttention(Attention):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
         check_inputs(q, k, v, mask)
-        split = in_batch_chunks(self.forward, q, k, v, mask)
+        split = tuning.in_batch_chunks(self.forward, q, k, v, mask)
         if split is not None:
             return split
         cfg = self.cfg
@@ -267,7 +250,7 @@ class MiTAAttention(Attention):
         grouped_attention = pick_grouped(cfg.kernel, q.device)
         # the C kernels on the CPU: the landmark pass and routing as well as the grouped attention
         native = grouped_attention is grouped_attention_cpu
-        if native and FUSED_CPU and per_query == 1 and cfg.shared_expert and landmark_kernel_fits(q):
+        if native and FUSED_CPU and per_query == 1 and cfg.shared_expert and landmark.takes(q):
             return MiTACPU.apply(q, k, v, mask, m, keys, top_keys)
         marks, real_marks, index, key_ok, shared_values = build_experts(q, k, v, mask, m, keys, native)
         real_marks = real_marks.repeat_interleave(h, dim=0)  # [B*H, m]
@@ -285,8 +268,10 @@ class MiTAAttention(Attention):
         else:
             expert_k = gather_rows(k.reshape(b * h * n, d), rows)
             expert_v = gather_rows(v.reshape(b * h * n, d), rows)
-        # (on the CPU a check costs nothing, so all-real masks are dropped; on CUDA they stay, no sync)
-        on_cpu = not q.is_cuda
+        # all-real masks are dropped: by the C kernel's operator itself, here for the PyTorch form on the
+        # CPU (where a check costs nothing, and a graph break under torch.compile beside that form's own);
+        # on CUDA they stay (a check would wait for the device)
+        on_cpu = not q.is_cuda and not native
         expert_ok = None if mask is None or (on_cpu and bool(key_ok.all())) else key_ok.view(b * h * m, keys)
         shared = None
         if cfg.shared_expert:

@@ -7,8 +7,8 @@ and takes one of the topk slots, so the defaults (block_size = 64, topk = 2) giv
 own block plus one chosen block: 2 x 64 = 128 keys. Cost: O(N^2 D / block_size) for the gate plus
 O(N topk block_size D) for the attention; memory linear in N (queries are gated in chunks, and
 no N x N matrix is built).
-The fast path groups (query, block) pairs by block (attentions/grouped.py, or the C kernel of
-grouped_cpu.py on the CPU; there the gate runs on block_gate.py's kernel too).
+The fast path groups (query, block) pairs by block (ops/grouped: on the CPU its C kernel, and the gate
+on ops/block_gate's kernel too).
 """
 from __future__ import annotations
 
@@ -19,17 +19,12 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs, chunk_rows, in_batch_chunks
-from .block_gate import choose_blocks_cpu, fits as gate_kernel_fits
-from .grouped import merge
-from .grouped_cpu import grouped_attention_cpu, merge_cpu
-from .grouped_triton import check_kernel, kernel_name, pick_grouped
+from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
 from .masking import real_key_mask
+from .ops import block_gate, tuning
+from .ops.grouped import check_kernel, kernel_name, merge, pick_grouped
+from .ops.grouped.cpu import grouped_attention_cpu, merge_cpu
 from .registry import register
-
-# block scores [B, H, chunk, N / block_size] computed at once on the CPU, in elements (bounds memory,
-# not results; a GPU takes more: base.chunk_rows)
-GATE_ELEMENTS = 1 << 22
 
 
 @dataclass
@@ -59,7 +54,7 @@ def choose_blocks(
     """Each query's chosen blocks [B, H, N, topk'] and whether each slot holds a real block.
 
     topk' = min(topk, blocks); a slot is empty when the sequence has fewer non-empty blocks.
-    native: the gate and choice on the C kernel (block_gate.py) where it takes the inputs.
+    native: the gate and choice on the C kernel (ops/block_gate) where it takes the inputs.
     """
     b, h, n, d = q.shape
     blocks = math.ceil(n / block_size)
@@ -70,31 +65,7 @@ def choose_blocks(
         sums = (pad_tokens(k, pad).reshape(b, h, blocks, block_size, d) * real[..., None]).sum(-2)
         counts = real.sum(-1)  # [B, 1, blocks]
         means = sums / counts.clamp(min=1)[..., None]  # [B, H, blocks, D]: mean over real keys
-        if native and gate_kernel_fits(q, per_query):
-            return choose_blocks_cpu(q, means, counts[:, 0] == 0, block_size, per_query, include_own)
-        # the results are made whole before the loop and each chunk's gate is freed before the next: a
-        # loop that keeps small per-chunk results between gate-sized temporaries fragments the heap,
-        # and the resident memory grows by about one gate per chunk, O(N^2 / block_size) in all
-        chosen = torch.empty(b, h, n, per_query, dtype=torch.long, device=q.device)
-        chosen_ok = torch.empty(b, h, n, per_query, dtype=torch.bool, device=q.device)
-        empty = (counts == 0)[:, :, None, :]  # [B, 1, 1, blocks]
-        # (on a GPU the fill runs always: the check would wait for the GPU, a fill costs less)
-        any_empty = q.is_cuda or bool(empty.any())
-        # a chunk of queries at a time: the [B, H, chunk, blocks] gate stays small
-        chunk = chunk_rows(GATE_ELEMENTS, b * h * blocks, q.device)
-        for start in range(0, n, chunk):
-            rows = slice(start, min(start + chunk, n))
-            gate = q[:, :, rows] @ means.transpose(-1, -2)  # [B, H, chunk, blocks]
-            if include_own:
-                own = torch.arange(rows.start, rows.stop, device=q.device) // block_size
-                gate.scatter_(-1, own.expand(b, h, -1)[..., None], float("inf"))
-            # an all-padding block is never chosen, not even as a padded query's own block
-            if any_empty:
-                gate.masked_fill_(empty, float("-inf"))
-            top, index = gate.topk(per_query, dim=-1, sorted=False)  # [B, H, chunk, topk']
-            chosen[:, :, rows] = index
-            chosen_ok[:, :, rows] = top > float("-inf")
-    return chosen, chosen_ok
+    return block_gate.choose_blocks(q, means, counts[:, 0] == 0, block_size, per_query, include_own, native)
 
 
 def reference(
@@ -159,7 +130,7 @@ class MoBAAttention(Attention):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
         check_inputs(q, k, v, mask)
-        split = in_batch_chunks(self.forward, q, k, v, mask)
+        split = tuning.in_batch_chunks(self.forward, q, k, v, mask)
         if split is not None:
             return split
         cfg = self.cfg

@@ -5,9 +5,8 @@
 
     attn = build_attention("mine", num_heads=2, head_dim=32, max_len=2000, some_param=3)
 
-Backends come from this package (every module of it that registers one is a built-in: a new
-built-in is one file here, plus its YAML values for LRA runs in lra/configs/attn/), from a user's
-file (``load_attention_module``) or from installed packages that expose them through the
+Backends come from this package (the modules of ``BUILTINS``: a new built-in is one file here, its
+name in that list, and its YAML values for LRA runs in lra/configs/attn/), from a user's file (``load_attention_module``) or from installed packages that expose them through the
 entry-point group ``lra.attentions``. Listings put the built-ins first, in their ``order``.
 """
 from __future__ import annotations
@@ -15,13 +14,15 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-import pkgutil
 import sys
 import typing
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Type
 
 from .base import Attention, AttentionError, AttnDims
+
+# the modules of this package that register the built-in backends, imported on first use
+BUILTINS = ("full", "linear", "linformer", "moba", "topk", "agent", "mita")
 
 _REGISTRY: Dict[str, Type[Attention]] = {}
 _builtins_loaded = False
@@ -51,17 +52,13 @@ def register(name: str) -> Callable[[Type[Attention]], Type[Attention]]:
 
 
 def _load_builtins() -> None:
-    """Import every module of this package that registers a backend (its source holds ``@register(``;
-    the helpers beside them are not imported here)."""
+    """Import the modules of BUILTINS (their ``@register`` decorators run)."""
     global _builtins_loaded
     if _builtins_loaded:
         return
     _builtins_loaded = True
-    package = Path(__file__).resolve().parent
-    for info in pkgutil.iter_modules([str(package)]):
-        source = package / f"{info.name}.py"
-        if source.is_file() and "@register(" in source.read_text() and info.name != "registry":
-            importlib.import_module(f"{__package__}.{info.name}")
+    for module in BUILTINS:
+        importlib.import_module(f"{__package__}.{module}")
 
 
 def _builtin(cls: Type[Attention]) -> bool:

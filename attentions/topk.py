@@ -4,7 +4,7 @@ Each query keeps its own k highest-scoring real keys and takes a softmax over th
 are built for a chunk of queries at a time, so memory is O(chunk N) instead of O(N^2); training
 keeps only each query's k chosen indices and weights, O(N k), and the backward rebuilds the sparse
 rows from them (no second top-k); on the CPU in float32 the selection and the products with the
-k chosen rows run on C kernels (select.py, sparse.py) and no [C, N] rows are rebuilt. Time
+k chosen rows run on C kernels (ops/topk_selection, ops/row_products) and no [C, N] rows are rebuilt. Time
 stays O(N^2 D): every query still scores every key. One
 query attends to k keys: 64 at the Config default, 128 in configs/attn/topk.yaml (all real keys,
 i.e. full attention, when N <= k).
@@ -17,10 +17,11 @@ from typing import Optional
 
 import torch
 
-from . import sparse
 from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
+from .ops import row_products
+from .ops.row_products import cpu as row_kernels
+from .ops.topk_selection import topk_unsorted
 from .registry import register
-from .select import topk_unsorted
 
 
 @dataclass
@@ -94,7 +95,7 @@ class TopKChunk(torch.autograd.Function):
 
 
 class TopKChunkSparse(torch.autograd.Function):
-    """TopKChunk with the k chosen rows read by index (attentions/sparse.py, float32 on the CPU):
+    """TopKChunk with the k chosen rows read by index (ops/row_products, float32 on the CPU):
     out = sum_j p_j v_{idx_j}; backward d p_j = d_out . v_{idx_j}, dq = sum_j d s_j k_{idx_j} scale,
     and dk, dv added into the chosen rows. No [C, N] rows are built after the selection."""
 
@@ -105,7 +106,7 @@ class TopKChunkSparse(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             index, weights = _select(q, k_t, key_bias, keys)
         index, weights = index.view(b * h * c, keys), weights.view(b * h * c, keys)
-        out = sparse.mix_rows(weights, index, v.view(b * h * n, d), c, n)  # [B*H*C, D]
+        out = row_kernels.mix_rows(weights, index, v.view(b * h * n, d), c, n)  # [B*H*C, D]
         ctx.save_for_backward(q, k_rows, v, index, weights)
         return out.view(b, h, c, d)
 
@@ -115,11 +116,11 @@ class TopKChunkSparse(torch.autograd.Function):
         b, h, c, d = q.shape
         n = v.shape[2]
         d_out = d_out.to(q.dtype).reshape(b * h * c, d)
-        d_p = sparse.dot_rows(d_out, index, v.view(b * h * n, d), c, n)  # [B*H*C, k]
+        d_p = row_kernels.dot_rows(d_out, index, v.view(b * h * n, d), c, n)  # [B*H*C, k]
         d_s = weights * (d_p - (weights * d_p).sum(dim=-1, keepdim=True)) * (1 / math.sqrt(d))
-        d_q = sparse.mix_rows(d_s, index, k_rows.view(b * h * n, d), c, n).view(b, h, c, d)
-        d_k = sparse.scatter_outer(d_s, index, q.reshape(b * h * c, d), torch.zeros_like(k_rows).view(-1, d), c, n)
-        d_v = sparse.scatter_outer(weights, index, d_out, torch.zeros_like(v).view(-1, d), c, n)
+        d_q = row_kernels.mix_rows(d_s, index, k_rows.view(b * h * n, d), c, n).view(b, h, c, d)
+        d_k = row_kernels.scatter_outer(d_s, index, q.reshape(b * h * c, d), torch.zeros_like(k_rows).view(-1, d), c, n)
+        d_v = row_kernels.scatter_outer(weights, index, d_out, torch.zeros_like(v).view(-1, d), c, n)
         return d_q, None, d_k.view_as(k_rows), d_v.view_as(v), None, None
 
 
@@ -148,7 +149,7 @@ class TopKAttention(Attention):
     @classmethod
     def implementation(cls, cfg: TopKConfig, device: torch.device) -> str:
         # (a CPU probe tensor: nothing is allocated on the device asked about)
-        kernels = "C" if device.type == "cpu" and sparse.available(torch.empty(0)) else "torch"
+        kernels = "C" if device.type == "cpu" and row_products.takes(torch.empty(0)) else "torch"
         return f"attentions.topk ({kernels} kernels for selection and k-row products)"
 
     def budget(self) -> str:
@@ -174,7 +175,7 @@ class TopKAttention(Attention):
         k_t = k.to(q.dtype).transpose(-1, -2).contiguous()  # [B, H, D, N]
         v = v.to(q.dtype)
         chunks = range(0, q.shape[2], self.cfg.chunk_size)
-        if sparse.available(q):
+        if row_products.takes(q):
             k_rows, v = k.to(q.dtype).contiguous(), v.contiguous()  # [B, H, N, D]
             outs = [TopKChunkSparse.apply(q[:, :, s : s + self.cfg.chunk_size], k_t, k_rows, v, key_bias, keys)
                     for s in chunks]

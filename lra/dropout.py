@@ -6,7 +6,7 @@ of full attention's too, time that says nothing about attention. The kernel keep
 a hash of (seed, i) clears p 2^32, with one 64-bit seed per call drawn from torch's default
 generator: ``torch.manual_seed`` makes runs repeat, a checkpoint's RNG state resumes them, and the
 mask does not depend on the thread count. The backward applies the same mask to the gradient from
-the seed alone. The masks are not torch's (a run with the kernel and one without draw different
+the seed alone. The kernel is the torch.library operator ``lra::dropout``. The masks are not torch's (a run with the kernel and one without draw different
 dropout patterns); keep-rate and scaling are the same, 1 - p and 1 / (1 - p).
 """
 from __future__ import annotations
@@ -18,8 +18,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.library import custom_op, register_autograd, register_fake
 
-from attentions import native
+from attentions.ops import native
 
 LIBRARY = "dropout_cpu"
 FOLDER = Path(__file__).resolve().parent
@@ -37,29 +38,38 @@ def library() -> Optional[ctypes.CDLL]:
 
 def fits(x: torch.Tensor, p: float) -> bool:
     """Whether the kernel takes this call: float32 on the CPU, 0 < p < 1, the kernel built here."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and 0.0 < p < 1.0 and library() is not None
+    return 0.0 < p < 1.0 and not native.refusals(x, LIBRARY, folder=FOLDER)
 
 
-def _apply(x: torch.Tensor, seed: int, p: float) -> torch.Tensor:
+@custom_op("lra::dropout", mutates_args=(), device_types="cpu")
+def dropout_op(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
+    """x * keep / (1 - p), the mask a function of (seed, element index): float32 CPU x, 0 < p < 1, seed
+    a 0-dim int64 tensor (a tensor, so that torch.compile draws it in its graph)."""
     x = x.contiguous()
     out = torch.empty_like(x)
     threshold = min(int(round(p * 2.0**32)), 2**32 - 1)
-    library().dropout_apply(x.data_ptr(), out.data_ptr(), x.numel(), seed, threshold, 1.0 / (1.0 - p),
+    library().dropout_apply(x.data_ptr(), out.data_ptr(), x.numel(), int(seed), threshold, 1.0 / (1.0 - p),
                             torch.get_num_threads())
     return out
 
 
-class DropoutCPU(torch.autograd.Function):
-    """x * keep / (1 - p), the mask a function of (seed, element index); float32 CPU tensors."""
+@register_fake("lra::dropout")
+def _(x, p, seed):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
-        ctx.p, ctx.seed = p, seed
-        return _apply(x, seed, p)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _apply(grad.to(torch.float32), ctx.seed, ctx.p), None, None
+def _setup(ctx, inputs, output) -> None:
+    _, ctx.p, seed = inputs
+    ctx.save_for_backward(seed)
+
+
+def _grad(ctx, grad: torch.Tensor):
+    (seed,) = ctx.saved_tensors
+    # the backward applies the forward's mask: the same seed
+    return dropout_op(grad.to(torch.float32), ctx.p, seed), None, None
+
+
+register_autograd("lra::dropout", _grad, setup_context=_setup)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
@@ -68,8 +78,8 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
         return x
     if not fits(x, p):
         return F.dropout(x, p, training)
-    seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))  # from torch's default generator
-    return DropoutCPU.apply(x, p, seed)
+    seed = torch.randint(0, 2**63 - 1, (), dtype=torch.int64)  # from torch's default generator
+    return dropout_op(x, p, seed)
 
 
 class Dropout(nn.Dropout):

@@ -53,7 +53,7 @@ static void apply_range(const float *x, float *out, int64_t first, int64_t last,
 void dropout_apply(const float *x, float *out, int64_t n, uint64_t seed, uint32_t threshold, float scale,
                    int64_t threads) {
     const uint32_t s0 = (uint32_t)seed, s1 = (uint32_t)(seed >> 32);
-    /* blocks of 64 KiB per task, on the OpenMP runtime torch has loaded (attentions/native.py) */
+    /* blocks of 64 KiB per task, on the OpenMP runtime torch has loaded (attentions/ops/native.py) */
     const int64_t block = 16384, blocks = (n + block - 1) / block;
     if (threads < 1) threads = 1;
 #pragma omp parallel for num_threads(threads) schedule(static) if (blocks > 1)

@@ -86,8 +86,9 @@ class Encoder(nn.Module):
         mask = None
         if self.padded and lengths is not None:
             mask = torch.arange(n, device=x.device)[None, :] < lengths[:, None]  # [B, N]
-            # a batch of full rows needs no mask: the backends take their unmasked fast paths
-            if bool(mask.all()):
+            # a batch of full rows needs no mask: the backends take their unmasked fast paths (under
+            # torch.compile the mask stays, same results: reading it on the host would split the graph)
+            if not torch.compiler.is_compiling() and bool(mask.all()):
                 mask = None
         for block in self.blocks:
             x = block(x, mask)

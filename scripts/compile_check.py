@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # the kernels compiled, not interpreted (Triton reads this when it is first imported)
 os.environ["TRITON_INTERPRET"] = "0"
 
-from attentions.grouped_triton import kernels, launch_meta  # noqa: E402
+from attentions.ops.grouped.triton_op import kernels, launch_meta  # noqa: E402
 
 KERNEL_NAMES = ("grouped_forward", "grouped_backward_dq", "grouped_backward_dkdv")
 # sm_90 (H100, H200): most shared memory one block may use, in bytes

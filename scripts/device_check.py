@@ -46,7 +46,7 @@ from torch.overrides import TorchFunctionMode
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from attentions import build_attention, get_attention, list_attentions  # noqa: E402
-from attentions.grouped_triton import KERNELS  # noqa: E402
+from attentions.ops.grouped import KERNELS  # noqa: E402
 from attentions.registry import config_fields  # noqa: E402
 from attentions.check import Sizes, padding_mask, real_lengths  # noqa: E402
 from lra.machine import hardware, versions  # noqa: E402
@@ -135,14 +135,15 @@ def rows_to_check(names: List[str], kernels: List[str]) -> List[Dict[str, Option
 def skip_reason(kernel: Optional[str], device: torch.device) -> Optional[str]:
     """Why a row cannot run here, or None."""
     if kernel == "cpu":
-        from attentions import grouped_cpu, native
+        from attentions.ops.grouped import cpu as grouped_cpu
 
         if device.type != "cpu":
             return "the C kernel runs on CPU tensors"
-        return None if grouped_cpu.available() else f"C kernel not built: {native.why_not(grouped_cpu.LIBRARY)}"
+        reasons = grouped_cpu.refusals(torch.empty(0))
+        return f"C kernel not built: {reasons[0]}" if reasons else None
     if kernel != "triton":
         return None
-    from attentions.grouped_triton import interpreting, triton_installed
+    from attentions.ops.grouped.triton_op import interpreting, triton_installed
 
     if not triton_installed():
         return "Triton not installed (pip install triton)"

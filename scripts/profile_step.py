@@ -13,8 +13,8 @@ the warm-up steps, times --steps steps unprofiled, then profiles --steps more. P
   kernels  CUDA: the summed duration of the kernels the step ran; busy = kernels / profiled wall, and far
            under 100% means the host (Python, launches, synchronisations) sets the pace.
            CPU: the time spent inside aten operators and the suite's C kernels (self time; the C
-           kernels, called through ctypes, are named c::<function> here); the rest is Python
-  calls    aten operators (and C kernel calls) per step, and CUDA kernels launched
+           kernels are the torch.library operators lra::<name>); the rest is Python
+  calls    aten and lra operators per step, and CUDA kernels launched
 
 and the operators and kernels that took the most of it: on CUDA an operator's time is that of the
 kernels it launched itself (Triton kernels are launched by no operator: see the kernel table).
@@ -23,7 +23,6 @@ once every point has run.
 """
 from __future__ import annotations
 
-import ctypes
 import statistics
 import sys
 import time
@@ -32,11 +31,10 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from attentions import native  # noqa: E402
 from lra.allocator import keep_freed_memory  # noqa: E402
 from lra.bench.cli import parse, settings_from  # noqa: E402
 from lra.bench.measure import timed  # noqa: E402
@@ -67,26 +65,12 @@ def rows(events: List[Any], time_of: Callable[[Any], float], steps: int, top: in
             for e in ranked if time_of(e) > 0]
 
 
-def name_c_kernels() -> None:
-    """Make the C kernels' calls visible to torch.profiler as c::<function> (they are not operators):
-    each function a loaded library has resolved (ctypes keeps it as an attribute of the library, set
-    on first use) is replaced there by a wrapper that records its call. For this process only."""
-    for lib in native._loaded.values():
-        for name, fn in list(vars(lib).items() if lib is not None else []):
-            if isinstance(fn, ctypes._CFuncPtr):
-                def recorded(*args: Any, _fn: Any = fn, _name: str = f"c::{name}") -> Any:
-                    with record_function(_name):
-                        return _fn(*args)
-                setattr(lib, name, recorded)
-
-
 def profile_point(spec: Dict[str, Any], mode: str, steps: int, top: int) -> Dict[str, Any]:
     device, dtype = torch.device(spec["device"]), DTYPES[spec["dtype"]]
     torch.manual_seed(spec["seed"])
     step = step_of(spec, device, dtype, mode)
     for _ in range(max(1, spec["warmup"])):  # at least one: kernels compile on the first call
         step()
-    name_c_kernels()
     wall = statistics.median(timed(step, device) for _ in range(steps))
     gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
@@ -98,7 +82,7 @@ def profile_point(spec: Dict[str, Any], mode: str, steps: int, top: int) -> Dict
             torch.cuda.synchronize(device)
         profiled_s = (time.perf_counter() - begin) / steps
     events = prof.key_averages()
-    ops = [e for e in events if e.device_type == DeviceType.CPU and e.key.startswith(("aten::", "c::"))]
+    ops = [e for e in events if e.device_type == DeviceType.CPU and e.key.startswith(("aten::", "lra::"))]
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     op_time = (lambda e: e.self_device_time_total) if gpu else (lambda e: e.self_cpu_time_total)
     busy_us = sum(e.self_device_time_total for e in kernels) if gpu else sum(e.self_cpu_time_total for e in ops)
@@ -123,7 +107,7 @@ def fmt_table(title: str, entries: List[Dict[str, Any]]) -> List[str]:
 
 def markdown(record: Dict[str, Any]) -> str:
     s, gpu = record["settings"], record["settings"]["device"] == "cuda"
-    # on the CPU the rest of the wall time is Python and the C kernels called through ctypes
+    # on the CPU the rest of the wall time is Python
     busy, share = ("kernels", "busy") if gpu else ("in operators", "of profiled")
     out = [f"## Profile of one {s['mode']} step, {s['level']} level ({record['hardware_name']}, {s['dtype']})", "",
            f"{record['command']}  ", f"torch {record['versions']['torch']}, commit {record['versions']['git_commit']}; "

@@ -10,7 +10,9 @@ and tables), this is the quick A/B tool: point PYTHONPATH at another checkout to
     python scripts/step_compare.py --attn full,mita,moba,topk,floor --lengths 1024,2048,4096 --batch 8
 
 (``floor`` times the model with a pass-through attention: full / floor is the ceiling of any
-backend's ratio.)
+backend's ratio.) ``--compile`` adds each backend's model under torch.compile (``<backend>+compiled``,
+timed after the warm-up step that compiles it) to the same rounds, so eager and compiled steps are
+measured side by side; ``--compile aot_eager`` names another torch.compile backend than inductor.
 """
 from __future__ import annotations
 
@@ -35,12 +37,16 @@ from lra.model import LRAModel  # noqa: E402
 
 VOCAB, CLASSES = 20, 10
 FLOOR = "floor"
+COMPILED = "+compiled"
 
 
-def make_step(backend: str, n: int, batch: int, seed: int) -> Callable[[], None]:
+def make_step(backend: str, n: int, batch: int, seed: int, compiler: str = "inductor") -> Callable[[], None]:
     """One training step of the LRA encoder with ``backend`` on a fixed padded batch; backend
     "floor": the model with every attention replaced by a pass-through (output = v), i.e. what
-    the rest of the model costs, which no backend can go below."""
+    the rest of the model costs, which no backend can go below; a name ending in "+compiled": that
+    backend's model under torch.compile(backend=compiler)."""
+    compiled = backend.endswith(COMPILED)
+    backend = backend[: -len(COMPILED)] if compiled else backend
     torch.manual_seed(seed)
     cfg = ModelConfig(num_layers=2, dim=64, num_heads=2, ffn_dim=128, dropout=0.1)
     model = LRAModel(cfg, "full" if backend == FLOOR else backend, {}, vocab_size=VOCAB, num_classes=CLASSES,
@@ -49,6 +55,7 @@ def make_step(backend: str, n: int, batch: int, seed: int) -> Callable[[], None]
         for block in model.encoder.blocks:
             block.attn = PassThrough()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    forward = torch.compile(model, backend=compiler) if compiled else model
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (batch, n), generator=gen)  # [B, N]
     lengths = torch.randint(n // 2, n + 1, (batch,), generator=gen)  # [B]
@@ -56,16 +63,17 @@ def make_step(backend: str, n: int, batch: int, seed: int) -> Callable[[], None]
     labels = torch.randint(0, CLASSES, (batch,), generator=gen)
 
     def step() -> None:
-        F.cross_entropy(model(tokens, lengths), labels).backward()
+        F.cross_entropy(forward(tokens, lengths), labels).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     return step
 
 
-def compare(backends: List[str], n: int, batch: int, rounds: int, seed: int) -> Dict[str, float]:
+def compare(backends: List[str], n: int, batch: int, rounds: int, seed: int, compiler: str = "inductor"
+            ) -> Dict[str, float]:
     """Median step time (s) of each backend over ``rounds`` interleaved rounds, after one warm-up."""
-    steps = {name: make_step(name, n, batch, seed) for name in backends}
+    steps = {name: make_step(name, n, batch, seed, compiler) for name in backends}
     for step in steps.values():
         step()
     times: Dict[str, List[float]] = {name: [] for name in backends}
@@ -86,18 +94,22 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="also time each backend's model under torch.compile (default backend inductor)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     # as lra-bench's timed runs: no page faults after the first step (memory is not measured here)
     keep_all_freed_memory()
     backends = args.attn.split(",")
+    if args.compile:
+        backends += [b + COMPILED for b in backends]
     load = os.getloadavg()[0]
     print(f"| batch | N | " + " | ".join(f"{b} step" for b in backends) + " | "
           + " | ".join(f"full/{b}" for b in backends[1:]) + " |")
     print("|---|---:|" + "---:|" * (2 * len(backends) - 1))
     for batch in (int(b) for b in args.batch.split(",")):
         for n in (int(x) for x in args.lengths.split(",")):
-            med = compare(backends, n, batch, args.rounds, args.seed)
+            med = compare(backends, n, batch, args.rounds, args.seed, args.compile or "inductor")
             base = med[backends[0]]
             print(f"| {batch} | {n} | " + " | ".join(f"{med[b] * 1000:.0f} ms" for b in backends) + " | "
                   + " | ".join(f"{base / med[b]:.2f}x" for b in backends[1:]) + " |", flush=True)

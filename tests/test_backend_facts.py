@@ -1,6 +1,6 @@
 """Backends own their facts: what the benchmark and the device check ask of a backend is answered by
-its class (routes, flops, independent_queries + attend, implementation), and the built-ins are the
-modules of ``attentions/`` that register one, found without a list of names."""
+its class (routes, flops, independent_queries + attend, implementation), and a built-in is its file,
+its YAML values and its line in ``registry.BUILTINS``."""
 from __future__ import annotations
 
 import os
@@ -14,7 +14,7 @@ import torch
 
 import attentions
 from attentions import AttentionError, build_attention, build_config, get_attention, list_attentions
-from attentions import grouped_cpu
+from attentions.ops.grouped import cpu as grouped_cpu
 from lra.bench.estimate import slice_fn
 from lra.bench.workloads import kernel_of, options_on
 from lra.config import CONFIG_DIR
@@ -63,7 +63,7 @@ def test_the_flash_baseline_is_an_option_of_full() -> None:
     assert options_on("mita", {"topk": 8}, cuda) == {"topk": 8}
     assert kernel_of("full", cpu) == "sdpa-cpu" and kernel_of("full", cuda) in ("flash-attn", "sdpa-flash")
     # on the CPU "auto" is the C kernel where it builds (a C compiler), else the PyTorch path
-    cpu_kernel = "cpu" if grouped_cpu.available() else "torch"
+    cpu_kernel = "cpu" if grouped_cpu.takes(torch.zeros(0)) else "torch"
     assert kernel_of("mita", cpu) == f"attentions.mita ({cpu_kernel} kernel)" and kernel_of("linear", cpu) == "attentions.linear"
     flash = build_attention("full", num_heads=1, head_dim=8, max_len=16, flash=True)
     with pytest.raises(AttentionError, match="flash=True runs on CUDA only"):
@@ -75,8 +75,9 @@ def test_every_built_in_has_its_lra_values() -> None:
     assert sorted(p.stem for p in (CONFIG_DIR / "attn").glob("*.yaml")) == sorted(BUILT_INS)
 
 
-def test_a_new_built_in_is_one_file(tmp_path: Path) -> None:
-    """Drop a backend file into (a copy of) attentions/: it is listed, after the others, with no list edited."""
+def test_a_new_built_in_is_one_file_and_one_line(tmp_path: Path) -> None:
+    """Drop a backend file into (a copy of) attentions/ and name it in registry.BUILTINS: it is listed,
+    in its order, as a built-in; a module of the package left out of the list is not imported."""
     package = tmp_path / "attentions"
     shutil.copytree(Path(attentions.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__"))
     (package / "zebra.py").write_text(
@@ -85,6 +86,11 @@ def test_a_new_built_in_is_one_file(tmp_path: Path) -> None:
         "    taxonomy = Taxonomy(\"none\", \"1\", \"raw KV\", \"none\", \"dense\")\n\n"
         "    def forward(self, q, k, v, mask=None):\n        return v\n"
     )
+    (package / "yak.py").write_text((package / "zebra.py").read_text().replace("zebra", "yak"))
+    registry = package / "registry.py"
+    text = registry.read_text()
+    assert '"agent", "mita")' in text
+    registry.write_text(text.replace('"agent", "mita")', '"agent", "mita", "zebra")'))
     code = "from attentions import list_attentions, origin; print(' '.join(list_attentions()), origin('zebra'))"
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, check=True)

@@ -258,3 +258,15 @@ def test_step_compare_times_every_backend_on_a_padded_batch() -> None:
     finally:
         module.PassThrough.forward = real
     assert len(calls) == 2  # the encoder's two layers
+
+
+def test_step_compare_times_a_compiled_model_beside_the_eager_one() -> None:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    module = load_script("step_compare")
+    torch._dynamo.reset()
+    counters.clear()
+    medians = module.compare(["linear", "linear+compiled"], n=64, batch=2, rounds=1, seed=0, compiler="aot_eager")
+    assert set(medians) == {"linear", "linear+compiled"} and all(t > 0 for t in medians.values())
+    assert counters["stats"]["unique_graphs"] >= 1

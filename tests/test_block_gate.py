@@ -1,16 +1,17 @@
-"""MoBA's gate on the C kernel (attentions/block_gate.py) against the PyTorch path of
+"""MoBA's gate on the C kernel (attentions/ops/block_gate/cpu.py) against its PyTorch form through
 moba.choose_blocks: the same blocks for every query, with padding, all-padding blocks, fewer real
 blocks than slots, the own block on and off, ties, and the same bits for any thread count; and the
-merge of a query's experts on the C kernel (grouped_cpu.merge_cpu) against grouped.merge."""
+merge of a query's experts on the C kernel (ops/grouped/cpu.merge_cpu) against its PyTorch form."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from attentions import block_gate, build_attention, moba
+from attentions import build_attention, moba
+from attentions.ops import block_gate
 from conftest import lengths_mask, rel_err
 
-needs_kernel = pytest.mark.skipif(not block_gate.fits(torch.zeros(1), 1),
+needs_kernel = pytest.mark.skipif(bool(block_gate.refusals(torch.zeros(1), 1)),
                                   reason="the C kernels do not build here (no C compiler)")
 
 
@@ -81,8 +82,8 @@ def test_moba_on_the_gate_kernel_equals_reference() -> None:
 
 @needs_kernel
 def test_merge_kernel_equals_merge_and_gives_zero_gradients_to_rows_without_experts() -> None:
-    from attentions.grouped import merge
-    from attentions.grouped_cpu import merge_cpu
+    from attentions.ops.grouped.cpu import merge_cpu
+    from attentions.ops.grouped.reference import merge
 
     gen = torch.Generator().manual_seed(5)
     parts = torch.randn(64, 3, 33, generator=gen, requires_grad=True)

@@ -1,22 +1,24 @@
-"""The C kernels for the CPU (attentions/native.py builds them): the grouped attention kernel of
-MiTA and MoBA (grouped_cpu.py), the top-k selection (select.py) and the products with chosen rows
-(sparse.py) against their PyTorch references: outputs and q/k/v gradients, padding, empty
+"""The C kernels for the CPU (attentions/ops/native.py builds them): the grouped attention kernel of
+MiTA and MoBA (ops/grouped), the top-k selection (ops/topk_selection) and the products with chosen
+rows (ops/row_products) against their PyTorch references: outputs and q/k/v gradients, padding, empty
 experts, a pair with no expert, ties and infinities; and what happens where they cannot be built."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from attentions import AttentionError, build_attention, grouped, grouped_cpu, native, sparse, topk
-from attentions.grouped import grouped_attention
-from attentions.grouped_cpu import grouped_attention_cpu
-from attentions.grouped_triton import pick_grouped
-from attentions.select import native_selection, topk_unsorted
+from attentions import AttentionError, build_attention, topk
+from attentions.ops import native, row_products, topk_selection, tuning
+from attentions.ops.grouped import cpu as grouped_cpu, pick_grouped
+from attentions.ops.grouped.cpu import grouped_attention_cpu
+from attentions.ops.grouped.reference import grouped_attention
+from attentions.ops.row_products import cpu as row_kernels, reference as row_reference
+from attentions.ops.topk_selection import topk_unsorted
 from conftest import lengths_mask, rel_err
 from test_grouped_triton import (BACKEND_CASES, GROUPED_CASES, check_all_masked_expert, check_backend_kernel,
                                  check_grouped_against_torch_path, outputs_and_grads, run_grouped)
 
-needs_kernels = pytest.mark.skipif(not grouped_cpu.available(),
+needs_kernels = pytest.mark.skipif(not grouped_cpu.takes(torch.zeros(0)),
                                    reason="the C kernels do not build here (no C compiler)")
 
 
@@ -25,7 +27,7 @@ needs_kernels = pytest.mark.skipif(not grouped_cpu.available(),
 @pytest.mark.parametrize("case", GROUPED_CASES.values(), ids=GROUPED_CASES.keys())
 def test_grouped_kernel_matches_torch_path(case: tuple, saved: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if not saved:  # the backward recomputes the softmax rows from the saved log-sum-exps
-        monkeypatch.setattr(grouped, "SAVE_ELEMENTS", 0)
+        monkeypatch.setattr(tuning, "SAVE_ELEMENTS", 0)
     check_grouped_against_torch_path(grouped_attention_cpu, case)
 
 
@@ -101,14 +103,14 @@ def test_kernel_choice_and_its_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     with pytest.raises(AttentionError, match="kernel='cpu' runs on CPU tensors, these are on cuda"):
         pick_grouped("cpu", torch.device("cuda"))
-    expected = grouped_attention_cpu if grouped_cpu.available() else grouped_attention
+    expected = grouped_attention_cpu if grouped_cpu.takes(torch.zeros(0)) else grouped_attention
     assert pick_grouped("auto", cpu) is expected
     # a machine where the kernel cannot be built: "auto" keeps the PyTorch path, "cpu" says why
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "_why_not", {})
     monkeypatch.setenv("CC", "no-such-compiler-here")
     assert pick_grouped("auto", cpu) is grouped_attention
-    assert not native_selection(torch.zeros(3, 4))
+    assert not topk_selection.takes(torch.zeros(3, 4))
     needs = r"mita kernel='cpu' needs the C kernel.*no-such-compiler-here.*kernel='torch'"
     with pytest.raises(AttentionError, match=needs):
         build_attention("mita", num_heads=2, head_dim=16, max_len=64, kernel="cpu")
@@ -147,7 +149,7 @@ def check_selection(x: torch.Tensor, k: int) -> None:
 def test_selection_chooses_what_torch_topk_chooses(n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(n + k)
     x = torch.randn(40, n, generator=gen)
-    assert native_selection(x)
+    assert topk_selection.takes(x)
     check_selection(x, k)
     x[:5, n // 2:] = float("-inf")  # padded keys: some rows with fewer than k real ones
     x[5:9] = 1.0  # every value tied
@@ -182,12 +184,12 @@ def test_sparse_row_products_match_their_references(d: int) -> None:
     x = torch.randn(groups * per_group, d, generator=gen)
     table = torch.randn(groups * n, d, generator=gen)
     idx = torch.randint(0, n, (groups * per_group, k), generator=gen)
-    mixed, ref_mixed = sparse.mix_rows(w, idx, table, per_group, n), sparse.reference_mix(w, idx, table, per_group, n)
+    mixed, ref_mixed = row_kernels.mix_rows(w, idx, table, per_group, n), row_reference.mix_rows(w, idx, table, per_group, n)
     assert rel_err(mixed, ref_mixed) < 1e-6
-    dots, ref_dots = sparse.dot_rows(x, idx, table, per_group, n), sparse.reference_dot(x, idx, table, per_group, n)
+    dots, ref_dots = row_kernels.dot_rows(x, idx, table, per_group, n), row_reference.dot_rows(x, idx, table, per_group, n)
     assert rel_err(dots, ref_dots) < 1e-6
-    got = sparse.scatter_outer(w, idx, x, torch.zeros_like(table), per_group, n)
-    assert rel_err(got, sparse.reference_scatter(w, idx, x, torch.zeros_like(table), per_group, n)) < 1e-6
+    got = row_kernels.scatter_outer(w, idx, x, torch.zeros_like(table), per_group, n)
+    assert rel_err(got, row_reference.scatter_outer(w, idx, x, torch.zeros_like(table), per_group, n)) < 1e-6
 
 
 @needs_kernels
@@ -209,7 +211,7 @@ def test_topk_sparse_path_matches_dense_path_and_reference(
 
     fast = run(attn)
     ref = run(lambda q, k, v, m: topk.reference(q, k, v, m, keys))
-    monkeypatch.setattr(sparse, "available", lambda x: False)
+    monkeypatch.setattr(row_products, "takes", lambda x: False)
     dense = run(attn)
     for label, f, d, r in zip(["out", "dq", "dk", "dv"], fast, dense, ref):
         assert rel_err(f, d) < 1e-5, f"{label}: sparse vs dense path"

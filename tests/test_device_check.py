@@ -46,7 +46,7 @@ def test_triton_rows_run_under_the_interpreter_and_are_skipped_without_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
-    from attentions.grouped_triton import interpreting
+    from attentions.ops.grouped.triton_op import interpreting
 
     if not interpreting():
         pytest.skip("TRITON_INTERPRET=1 is off (tests/conftest.py sets it unless told 0)")

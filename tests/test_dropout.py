@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from attentions.ops import native
 from lra import dropout as lra_dropout
 from lra.config import ModelConfig
 from lra.dropout import Dropout, dropout
@@ -87,7 +88,10 @@ def test_eval_p0_p1_and_other_dtypes_match_torch() -> None:
 
 
 def test_without_the_kernel_it_is_torchs_dropout(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(lra_dropout, "library", lambda: None)
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_why_not", {})
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    assert not lra_dropout.fits(torch.zeros(1), 0.4)
     x = torch.randn(4, 16, 8)
     torch.manual_seed(3)
     ours = dropout(x, 0.4)

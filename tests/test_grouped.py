@@ -1,4 +1,4 @@
-"""The PyTorch grouped kernel (attentions/grouped.py) against a loop over pairs written here: every
+"""The PyTorch form of grouped attention (attentions/ops/grouped/reference.py) against a loop over pairs written here: every
 tile size, weights kept or recomputed in chunks, empty experts, experts of one pair, pairs with no
 expert, masked keys, shared tables; outputs, log-sum-exps and gradients in float64."""
 from __future__ import annotations
@@ -9,8 +9,9 @@ from typing import Optional
 import pytest
 import torch
 
-from attentions import grouped
-from attentions.grouped import gather_rows, grouped_attention, merge, pick_tile, tile_by_expert
+from attentions.ops import tuning
+from attentions.ops.grouped import reference as grouped
+from attentions.ops.grouped.reference import gather_rows, grouped_attention, merge, pick_tile, tile_by_expert
 from conftest import rel_err
 
 
@@ -77,8 +78,8 @@ CASES = {
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_matches_loop_over_pairs(case: tuple, tile: Optional[int], keep: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if not keep:
-        monkeypatch.setattr(grouped, "SAVE_ELEMENTS", 0)
-        monkeypatch.setattr(grouped, "CHUNK_SLOTS", 2 * grouped.MIN_TILE)
+        monkeypatch.setattr(tuning, "SAVE_ELEMENTS", 0)
+        monkeypatch.setattr(tuning, "CHUNK_SLOTS", 2 * grouped.MIN_TILE)
     q, expert, keys, values, key_ok, shared = make_case(*case, seed=7)
     inputs = [q, keys, values] + ([shared[0], shared[1]] if shared is not None else [])
     for t in inputs:

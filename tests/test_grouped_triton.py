@@ -1,5 +1,5 @@
-"""The Triton grouped-attention kernels (attentions/grouped_triton.py) on the CPU under Triton's
-interpreter: outputs and gradients against the PyTorch path (grouped.grouped_attention) and, through
+"""The Triton grouped-attention kernels (attentions/ops/grouped/triton_op.py) on the CPU under Triton's
+interpreter: outputs and gradients against the PyTorch path (ops/grouped/reference.grouped_attention) and, through
 MiTA and MoBA with kernel="triton", against their references; the kernel option's errors; and an
 ahead-of-time compile for sm_90, which needs no GPU."""
 from __future__ import annotations
@@ -13,9 +13,10 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 
-from attentions import AttentionError, build_attention, grouped_triton, mita, moba
-from attentions.grouped import grouped_attention
-from attentions.grouped_triton import grouped_attention_triton, interpreting, pick_grouped
+from attentions import AttentionError, build_attention, mita, moba
+from attentions.ops.grouped import dispatch as grouped_dispatch, pick_grouped
+from attentions.ops.grouped.reference import grouped_attention
+from attentions.ops.grouped.triton_op import grouped_attention_triton, interpreting
 from conftest import lengths_mask, rel_err
 
 needs_triton = pytest.mark.skipif(
@@ -238,7 +239,7 @@ def test_unknown_kernel_names_the_valid_ones(name: str) -> None:
 
 
 def test_triton_kernel_without_triton_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(grouped_triton, "triton_installed", lambda: False)
+    monkeypatch.setattr(grouped_dispatch, "triton_installed", lambda: False)
     with pytest.raises(AttentionError, match="pip install triton"):
         build_attention("mita", num_heads=2, head_dim=16, max_len=64, kernel="triton")
     # the PyTorch kernels need nothing

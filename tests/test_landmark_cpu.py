@@ -1,4 +1,4 @@
-"""MiTA's pooling, landmark pass and routing on the C kernel (attentions/landmark_cpu.py) against the
+"""MiTA's pooling, landmark pass and routing on the C kernel (attentions/ops/landmark/cpu.py) against the
 PyTorch path they replace: landmarks, scores, shared values and the gradients, padding, landmark
 counts that do not fill a pair, lengths that do not fill a key block, a softmax max that moves from
 block to block, a landmark whose keys are all masked, the routing's ties and missing landmarks, and
@@ -10,21 +10,15 @@ import math
 import pytest
 import torch
 
-from attentions import build_attention, landmark_cpu
-from attentions.landmark_cpu import landmark_pass, pool_queries, route_best
+from attentions import build_attention
+from attentions.ops.landmark import cpu as landmark_cpu
+from attentions.ops.landmark import reference
+from attentions.ops.landmark.cpu import landmark_pass, pool_queries, route_best
 from attentions.masking import pool_real
 from conftest import lengths_mask, rel_err
 
-needs_kernel = pytest.mark.skipif(not landmark_cpu.fits(torch.zeros(1)),
+needs_kernel = pytest.mark.skipif(bool(landmark_cpu.refusals(torch.zeros(1))),
                                   reason="the C kernels do not build here (no C compiler)")
-
-
-def torch_pass(marks: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask):
-    """The PyTorch path of mita.build_experts: scaled scores, -inf at padding, softmax(scores) V."""
-    scores = marks @ k.transpose(-1, -2)
-    if mask is not None:
-        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    return scores.softmax(dim=-1) @ v, scores
 
 
 def pass_and_grads(fn, marks, k, v, mask, weight):
@@ -47,7 +41,7 @@ def test_landmark_pass_matches_torch(b, h, m, n, d, lengths) -> None:
     mask = None if lengths is None else lengths_mask(lengths, n)
     weight = torch.randn(b, h, m, d, generator=gen)
     got = pass_and_grads(landmark_pass, marks, k, v, mask, weight)
-    ref = pass_and_grads(torch_pass, marks, k, v, mask, weight)
+    ref = pass_and_grads(reference.landmark_pass, marks, k, v, mask, weight)
     for label, g, r in zip(["scores", "shared", "d_marks", "dk", "dv"], got, ref):
         finite = torch.isfinite(r)
         assert torch.equal(torch.isfinite(g), finite), f"{label}: -inf in other places"
@@ -71,7 +65,7 @@ def test_the_one_pass_softmax_follows_a_max_that_moves_across_key_blocks(ramp) -
     v = torch.randn(1, 2, n, 16, generator=gen).requires_grad_()
     weight = torch.randn(1, 2, 9, 16, generator=gen)
     got = pass_and_grads(landmark_pass, marks, k, v, lengths_mask([900], n), weight)
-    ref = pass_and_grads(torch_pass, marks, k, v, lengths_mask([900], n), weight)
+    ref = pass_and_grads(reference.landmark_pass, marks, k, v, lengths_mask([900], n), weight)
     for label, g, r in zip(["scores", "shared", "d_marks", "dk", "dv"], got, ref):
         finite = torch.isfinite(r)
         assert torch.equal(torch.isfinite(g), finite), f"{label}: -inf in other places"
@@ -101,11 +95,10 @@ def test_routing_matches_argmax_with_ties_and_missing_landmarks() -> None:
     real[:, 2] = True
     real[3] = False  # a head with no real landmark
     best = route_best(q, marks, real)
-    gate = (q @ marks.transpose(-1, -2)).masked_fill(~real[:, None, :], float("-inf"))
-    assert torch.equal(best[:3], gate[:3].argmax(-1))
+    assert torch.equal(best, reference.route_best(q, marks, real))
     assert (best[3] == -1).all()
     assert (best[:3] != 5).all()
-    assert torch.equal(route_best(q, marks, None), (q @ marks.transpose(-1, -2)).argmax(-1))
+    assert torch.equal(route_best(q, marks, None), reference.route_best(q, marks, None))
 
 
 @needs_kernel

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from attentions import AttentionError, build_attention
-from attentions import grouped, mita
-from attentions.base import GPU_CHUNK_SCALE, chunk_rows
+from attentions import mita
+from attentions.ops import tuning
+from attentions.ops.grouped import reference as grouped
+from attentions.ops.tuning import GPU_CHUNK_SCALE, chunk_rows
 from attentions.check import Battery, Sizes
 from attentions.mita import reference
 from conftest import lengths_mask, rel_err
@@ -43,8 +45,8 @@ SMALL_CHUNK_CASES = ["B2-N61-H2-D16-m8-k8-masked", "B2-N50-H2-D16-m8-k8-E2-maske
 def test_a_gpu_scores_more_queries_at_once() -> None:
     # MiTA's routing and MoBA's gate: CPU chunks of ROUTE_ELEMENTS scores; a GPU's are 16x larger
     per_row = 32 * 4 * 64  # B x H x m at 64K tokens x batch 32
-    assert chunk_rows(mita.ROUTE_ELEMENTS, per_row, torch.device("cpu")) == 512
-    assert chunk_rows(mita.ROUTE_ELEMENTS, per_row, torch.device("cuda")) == 512 * GPU_CHUNK_SCALE
+    assert chunk_rows(tuning.ROUTE_ELEMENTS, per_row, torch.device("cpu")) == 512
+    assert chunk_rows(tuning.ROUTE_ELEMENTS, per_row, torch.device("cuda")) == 512 * GPU_CHUNK_SCALE
     assert chunk_rows(10, per_row, torch.device("cpu")) == 1
 
 
@@ -56,9 +58,9 @@ def test_a_gpu_scores_more_queries_at_once() -> None:
 def test_fast_path_matches_reference(case: tuple, small_chunks: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     b, h, n, d, lengths, overrides = case
     if small_chunks:
-        monkeypatch.setattr(grouped, "CHUNK_SLOTS", 2 * grouped.MIN_TILE)
-        monkeypatch.setattr(grouped, "SAVE_ELEMENTS", 0)
-        monkeypatch.setattr(mita, "ROUTE_ELEMENTS", 16 * 2 * 2 * 8)
+        monkeypatch.setattr(tuning, "CHUNK_SLOTS", 2 * grouped.MIN_TILE)
+        monkeypatch.setattr(tuning, "SAVE_ELEMENTS", 0)
+        monkeypatch.setattr(tuning, "ROUTE_ELEMENTS", 16 * 2 * 2 * 8)
     torch.manual_seed(0)
     mask = None if lengths is None else lengths_mask(lengths, n)
     attn = build_attention("mita", num_heads=h, head_dim=d, max_len=4096, **overrides)
@@ -201,7 +203,7 @@ def test_budget_counts_landmarks_and_keys() -> None:
 
 
 def test_a_batch_split_for_the_cpu_cache_gives_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
-    from attentions import base
+    from attentions.ops import tuning as base
 
     torch.manual_seed(2)
     b, h, n, d = 5, 2, 40, 8

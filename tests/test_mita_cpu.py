@@ -1,4 +1,4 @@
-"""MiTA's default form as one autograd Function on the CPU kernels (attentions/mita_cpu.py) against
+"""MiTA's default form as one autograd Function on the CPU kernels (attentions/ops/landmark/mita_layer_cpu.py) against
 the composed path of the same kernels and against ``mita.reference``: outputs and q, k, v gradients,
 with padding, rows shorter than the landmark count, a row with one real token, D not a multiple of
 8, N not a multiple of the key block, and a gradient arriving as a strided view."""
@@ -8,11 +8,13 @@ import pytest
 import torch
 
 import attentions.mita as mita
-from attentions import build_attention, grouped, landmark_cpu
-from attentions.mita_cpu import MiTACPU
+from attentions import build_attention
+from attentions.ops import tuning
+from attentions.ops.landmark import cpu as landmark_cpu
+from attentions.ops.landmark.mita_layer_cpu import MiTACPU
 from conftest import lengths_mask, rel_err
 
-needs_kernel = pytest.mark.skipif(not landmark_cpu.fits(torch.zeros(1)),
+needs_kernel = pytest.mark.skipif(bool(landmark_cpu.refusals(torch.zeros(1))),
                                   reason="the C kernels do not build here (no C compiler)")
 
 
@@ -36,7 +38,7 @@ def test_fused_path_equals_composed_path_and_reference(monkeypatch, b, h, n, d, 
         # the grouped kernel's backward recomputes the softmax rows from the forward's log-sum-exps, as
         # above SAVE_ELEMENTS (G N (m + k) > 2^24: B = 1, H = 4 from N = 64K); the fused Function once
         # dropped those and the backward read freed memory there
-        monkeypatch.setattr(grouped, "SAVE_ELEMENTS", 0)
+        monkeypatch.setattr(tuning, "SAVE_ELEMENTS", 0)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, generator=gen) for _ in range(3))
     weight = torch.randn(b, h, n, d, generator=gen)

@@ -17,6 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from attentions import build_attention, moba
+from attentions.ops import tuning
 from conftest import lengths_mask
 
 
@@ -50,7 +51,7 @@ def test_moba_gate_loop_keeps_nothing_between_chunks(masked: bool, monkeypatch: 
     b, h, n, d, size = 1, 2, 1024, 8, 16
     blocks = n // size
     # 32 queries gated at once: 32 chunks of a [1, 2, 32, 64] gate
-    monkeypatch.setattr(moba, "GATE_ELEMENTS", b * h * blocks * 32)
+    monkeypatch.setattr(tuning, "GATE_ELEMENTS", b * h * blocks * 32)
     gate_shape = (b, h, 32, blocks)
     torch.manual_seed(0)
     q, k = (torch.randn(b, h, n, d) for _ in range(2))
@@ -88,7 +89,7 @@ def largest_made(n: int) -> int:
 
 def test_moba_temporaries_grow_linearly(monkeypatch: pytest.MonkeyPatch) -> None:
     # a fixed gate chunk (as at long lengths), so only the O(N) parts can grow
-    monkeypatch.setattr(moba, "GATE_ELEMENTS", 1 << 13)
+    monkeypatch.setattr(tuning, "GATE_ELEMENTS", 1 << 13)
     small, large = largest_made(512), largest_made(2048)
     # the whole [1, 2, N, N / 16] gate or an N x N mask would grow 16 times
     assert large <= 4.5 * small, f"largest tensor: {small} elements at N=512, {large} at N=2048"

@@ -5,15 +5,15 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from attentions import grouped_cpu
+from attentions.ops.grouped import cpu as grouped_cpu
 from conftest import load_script
 from lra.cli import call
 
 
-
 def native_kernels() -> bool:
-    return grouped_cpu.available()
+    return grouped_cpu.takes(torch.zeros(0))
 
 
 def test_profiles_each_backend_and_length(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -29,12 +29,12 @@ def test_profiles_each_backend_and_length(tmp_path: Path, capsys: pytest.Capture
         assert 1 <= len(point["operators"]) <= 4 and point["kernels"] == [] and point["kernels_per_step"] is None
         times = [r["ms"] for r in point["operators"]]
         assert times == sorted(times, reverse=True)
-        assert all(r["name"].startswith(("aten::", "c::")) for r in point["operators"])
+        assert all(r["name"].startswith(("aten::", "lra::")) for r in point["operators"])
     # full attention's step is its fused SDPA kernel on the CPU, and the profile says so
     assert any("scaled_dot_product" in r["name"] for r in record["points"][0]["operators"])
-    # MiTA's C kernels are named (ctypes calls are no operators: they are recorded as c::<function>)
+    # MiTA's C kernels are named: they are the operators lra::<name>, no patching needed
     if native_kernels():
-        assert any(r["name"].startswith("c::") for r in record["points"][3]["operators"])
+        assert any(r["name"].startswith("lra::") for r in record["points"][3]["operators"])
     text = (out / "profile.md").read_text()
     assert "| full | 256 | 1 |" in text and "| mita | 128 | 1 |" in text and "### mita, N = 256, batch 1" in text
     assert text in capsys.readouterr().out

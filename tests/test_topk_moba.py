@@ -8,7 +8,9 @@ from typing import Callable, List, Optional
 import pytest
 import torch
 
-from attentions import AttentionError, build_attention, full, grouped, moba, topk
+from attentions import AttentionError, build_attention, full, moba, topk
+from attentions.ops import tuning
+from attentions.ops.grouped import reference as grouped
 from attentions.check import Battery, Sizes
 from conftest import lengths_mask, rel_err
 
@@ -94,9 +96,9 @@ def test_moba_matches_reference(case: tuple, small_chunks: bool, monkeypatch: py
     if small_chunks:
         # two tiles per chunk of the grouped loop (blocks straddle chunk boundaries); 16 queries gated at once
         # (B=2, H=2, 8 blocks)
-        monkeypatch.setattr(grouped, "CHUNK_SLOTS", 2 * grouped.MIN_TILE)
-        monkeypatch.setattr(grouped, "SAVE_ELEMENTS", 0)
-        monkeypatch.setattr(moba, "GATE_ELEMENTS", 16 * 2 * 2 * 8)
+        monkeypatch.setattr(tuning, "CHUNK_SLOTS", 2 * grouped.MIN_TILE)
+        monkeypatch.setattr(tuning, "SAVE_ELEMENTS", 0)
+        monkeypatch.setattr(tuning, "GATE_ELEMENTS", 16 * 2 * 2 * 8)
     check_against("moba", moba_ref, case)
 
 

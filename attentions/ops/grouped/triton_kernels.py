@@ -1,4 +1,4 @@
-"""The Triton kernels of grouped attention (the autograd Function and the layout are in grouped_triton.py).
+"""The Triton kernels of grouped attention (the autograd Function and the layout are in triton_op.py).
 
 Pairs (query rows) are sorted by expert: ``order`` [P'] lists them, expert x owning
 order[offsets[x] : offsets[x + 1]]. A work item is up to BLOCK_Q consecutive sorted pairs of one
@@ -8,7 +8,7 @@ placed before them; both are read by index from the tables, a block of BLOCK_K k
 Every program writes its own rows only: the forward and dq kernels the rows of their work item's
 pairs (the dq kernel also their backward offsets, which the dK/dV kernel, launched after it, reads),
 the dK/dV kernel one block of one expert's keys (a shared block is written per expert, and
-grouped_triton.py sums the group's partials). No atomics are used, so results are deterministic.
+triton_op.py sums the group's partials). No atomics are used, so results are deterministic.
 """
 import triton
 import triton.language as tl

@@ -1,4 +1,4 @@
-/* Products with k table rows chosen per query, on the CPU: the kernels behind attentions/sparse.py
+/* Products with k table rows chosen per query, on the CPU: the kernels behind attentions/ops/row_products/cpu.py
  * (float32). Query r of R picks k rows of a table [G * N, D]: row (r / per_group) * N + idx[r, j]
  * (its group's block of N rows, e.g. the keys of its (batch, head)).
  *

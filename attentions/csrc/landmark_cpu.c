@@ -1,4 +1,4 @@
-/* MiTA's landmark pass and routing on the CPU: the kernels behind attentions/landmark_cpu.py (float32).
+/* MiTA's landmark pass and routing on the CPU: the kernels behind attentions/ops/landmark/cpu.py (float32).
  *
  * Per head g (G = B H heads, each with m landmarks and N keys of D dims):
  *     S = L K^T [m, N]  (L: the landmarks, pre-scaled by 1 / sqrt(D)), -inf at masked keys,
@@ -198,7 +198,7 @@ static int over_heads(const Job *job, int64_t floats) {
     const Landmarks *a = job->a;
     const int64_t threads = a->threads < 1 ? 1 : (a->threads > a->G ? a->G : a->threads);
     int failed = 0;
-    /* the OpenMP runtime torch has loaded (see attentions/native.py); one thread without -fopenmp */
+    /* the OpenMP runtime torch has loaded (see attentions/ops/native.py); one thread without -fopenmp */
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float *buf = (float *)malloc(sizeof(float) * floats);

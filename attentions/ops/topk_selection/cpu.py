@@ -1,21 +1,24 @@
-"""Top-k selection along the last dim: ``torch.topk(k, dim=-1, sorted=False)`` with a compiled C kernel
-for float32 CPU tensors (topk_select.c), which the routing backends call per query or landmark.
+"""Top-k selection along the last dim on a compiled C kernel for float32 CPU tensors
+(csrc/topk_select.c): ``torch.topk(k, dim=-1, sorted=False)``, which the routing backends call per
+query or landmark.
 
 On the CPU torch.topk sorts (value, index) pairs: 14 ns per score for k = 128 of 1,024 on a
 2-core AMD EPYC, 8x the time of the matmul that made the scores, so Top-k attention spent most
 of its step selecting. The kernel bisects on the value with vectorised counting passes instead.
 The chosen set is the same as torch.topk's except among equal values at the boundary (the kernel
 takes the lower indices; torch.topk promises no order); values and indices come in no order.
-Other dtypes and devices, and machines where the kernel cannot be built, use torch.topk.
+Other dtypes and devices, and machines where the kernel cannot be built, use torch.topk (dispatch.py).
+The kernel is the torch.library operator ``lra::topk_select``.
 """
 from __future__ import annotations
 
 import ctypes
-from typing import Tuple
+from typing import List, Tuple
 
 import torch
+from torch.library import custom_op, register_fake
 
-from . import native
+from .. import native
 
 LIBRARY = "topk_select"
 
@@ -30,17 +33,16 @@ def _library():
     return lib
 
 
-def native_selection(x: torch.Tensor) -> bool:
-    """Whether topk_unsorted runs ``x`` on the C kernel (float32 on the CPU, the kernel built here)."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and _library() is not None
+def refusals(x: torch.Tensor) -> List[str]:
+    """Why the kernel does not take tensors like ``x`` (float32 CPU tensors, once built here); [] when it does."""
+    return native.refusals(x, LIBRARY)
 
 
-def topk_unsorted(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The k largest values along the last dim and their indices, in no order. [..., n] -> [..., k] x 2.
-    Not differentiable (the backends select under no_grad and keep the indices)."""
+@custom_op("lra::topk_select", mutates_args=(), device_types="cpu")
+def topk_rows(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values along the last dim of x (float32 on the CPU, 1 <= k < n) and their
+    indices, in no order. [..., n] -> [..., k] x 2. Not differentiable."""
     n = x.shape[-1]
-    if not native_selection(x) or k >= n or k < 1 or x.requires_grad:
-        return x.topk(k, dim=-1, sorted=False)
     x = x.contiguous()
     rows = x.numel() // n if n else 0
     values = torch.empty(*x.shape[:-1], k, dtype=x.dtype)
@@ -49,3 +51,8 @@ def topk_unsorted(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
                                      torch.get_num_threads()) != 0:
         raise MemoryError("the top-k selection kernel could not allocate its per-thread buffers")
     return values, indices
+
+
+@register_fake("lra::topk_select")
+def _(x, k):
+    return x.new_empty(*x.shape[:-1], k), x.new_empty(*x.shape[:-1], k, dtype=torch.long)

@@ -1,4 +1,4 @@
-/* MoBA's gate on the CPU: the kernel behind attentions/block_gate.py (float32).
+/* MoBA's gate on the CPU: the kernel behind attentions/ops/block_gate/cpu.py (float32).
  *
  * Per head g (G = B H heads, N queries, `blocks` key blocks of D dims) each query i scores every
  * block by q_i . mean_j, its own block (i / block_size) forced in with +inf when `own` is set, an

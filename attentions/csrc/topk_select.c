@@ -1,4 +1,4 @@
-/* Row-wise top-k selection on the CPU: the kernel behind attentions/select.py (float32).
+/* Row-wise top-k selection on the CPU: the kernel behind attentions/ops/topk_selection/cpu.py (float32).
  *
  * For each row of x [rows, n] it writes the k largest values and their column indices, in no
  * particular order (as torch.topk(sorted=False)); among equal values at the boundary the lower

@@ -1,9 +1,11 @@
-"""Compiled C kernels for the CPU: built from the packages' .c files with the system C compiler on
-first use, cached per source, compiler flags and CPU, and loaded with ctypes.
+"""Compiled C kernels for the CPU: built from the packages' .c files (attentions/csrc/, lra's dropout)
+with the system C compiler on first use, cached per source, compiler flags and CPU, and loaded with
+ctypes. The operators of ``attentions.ops`` call them inside their torch.library implementations.
 
 No Python build step and no torch headers: ``cc -O3 -march=native -fopenmp -shared`` takes about a second.
 A machine without a C compiler (or where the build fails) simply has no native kernels:
-``load`` returns None and says why in ``why_not``; the backends then keep their PyTorch path.
+``load`` returns None and says why in ``why_not``; ``refusals`` turns that into the reason an
+operator's C form is not taken, and the operators then run their PyTorch form.
 LRA_KERNEL_CACHE sets the cache folder (default ~/.cache/lra-suite/kernels).
 """
 from __future__ import annotations
@@ -16,9 +18,11 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
-SOURCES = Path(__file__).resolve().parent
+import torch
+
+SOURCES = Path(__file__).resolve().parent.parent / "csrc"
 # -march=native: the library is built on, and cached for, the CPU that runs it; -fopenmp: the
 # kernels' threads come from the OpenMP runtime torch has loaded (libgomp.so.1 on Linux wheels), so
 # they do not fight torch's own spinning worker threads for the cores
@@ -103,3 +107,26 @@ def load(name: str, folder: Optional[Path] = None) -> Optional[ctypes.CDLL]:
 def why_not(name: str) -> str:
     """Why ``load(name)`` gave None ('' when it loaded or was not tried)."""
     return _why_not.get(name, "")
+
+
+@torch.compiler.assume_constant_result
+def built(name: str, folder: Optional[Path] = None) -> bool:
+    """Whether the library of ``<name>.c`` builds and loads here (built on the first call; a constant of
+    the process, so torch.compile evaluates it once instead of tracing the build)."""
+    return load(name, folder) is not None
+
+
+def refusals(x: torch.Tensor, name: str, dtypes: Sequence[torch.dtype] = (torch.float32,),
+             folder: Optional[Path] = None) -> List[str]:
+    """Why the C kernel ``name`` does not take tensors like ``x``, one reason a line (as xformers'
+    ``not_supported_reasons``); [] when it does. The device and dtype are checked first, so a GPU
+    run never builds the kernel."""
+    reasons = []
+    if x.device.type != "cpu":
+        reasons.append(f"{name} runs on CPU tensors, these are on {x.device.type}")
+    if x.dtype not in dtypes:
+        reasons.append(f"{name} takes {', '.join(str(d).replace('torch.', '') for d in dtypes)}, "
+                       f"not {str(x.dtype).replace('torch.', '')}")
+    if not reasons and not built(name, folder):
+        reasons.append(why_not(name))
+    return reasons

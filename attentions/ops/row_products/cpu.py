@@ -1,19 +1,22 @@
-"""Products with k table rows chosen per query (sparse_rows.c), for float32 CPU tensors.
+"""Products with k table rows chosen per query on compiled C kernels (csrc/sparse_rows.c), for
+float32 CPU tensors.
 
 Query r picks rows idx[r, :] of its group's block of N table rows (group = r // per_group, e.g. a
 query's (batch, head) over that head's N keys). ``mix_rows`` is the weighted sum of the picked
 rows, ``dot_rows`` their dot products with a query vector, ``scatter_outer`` adds w[r, j] x[r]
-into the picked rows of a gradient. Each equals an indexed torch expression (``reference_*``,
-which the tests compare against); ``available`` says whether the kernels are built here.
+into the picked rows of a gradient. Each equals an indexed torch expression (reference.py, which
+the tests compare against); ``refusals`` says why the kernels do not take an input. The kernels
+are the torch.library operators ``lra::mix_rows``, ``lra::dot_rows`` and ``lra::scatter_outer``.
 """
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
+from typing import List, Optional
 
 import torch
+from torch.library import custom_op, register_fake
 
-from . import native
+from .. import native
 
 LIBRARY = "sparse_rows"
 
@@ -28,30 +31,12 @@ def _library() -> Optional[ctypes.CDLL]:
     return lib
 
 
-def available(x: torch.Tensor) -> bool:
-    """Whether the kernels take ``x``'s kind of tensor: float32 on the CPU, with the kernels built here."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and _library() is not None
+def refusals(x: torch.Tensor) -> List[str]:
+    """Why the kernels do not take tensors like ``x`` (float32 CPU tensors, once built here); [] when they do."""
+    return native.refusals(x, LIBRARY)
 
 
-def _rows(idx: torch.Tensor, per_group: int, group_rows: int) -> torch.Tensor:
-    """The table row of every pick: [R, k]."""
-    groups = torch.arange(idx.shape[0], device=idx.device)[:, None] // per_group
-    return groups * group_rows + idx
-
-
-def reference_mix(w: torch.Tensor, idx: torch.Tensor, table: torch.Tensor, per_group: int, group_rows: int):
-    return (w[..., None] * table[_rows(idx, per_group, group_rows)]).sum(1)
-
-
-def reference_dot(x: torch.Tensor, idx: torch.Tensor, table: torch.Tensor, per_group: int, group_rows: int):
-    return (x[:, None, :] * table[_rows(idx, per_group, group_rows)]).sum(-1)
-
-
-def reference_scatter(w, idx, x, grad: torch.Tensor, per_group: int, group_rows: int) -> torch.Tensor:
-    rows = _rows(idx, per_group, group_rows).flatten()
-    return grad.index_add_(0, rows, (w[..., None] * x[:, None, :]).flatten(0, 1))
-
-
+@custom_op("lra::mix_rows", mutates_args=(), device_types="cpu")
 def mix_rows(w: torch.Tensor, idx: torch.Tensor, table: torch.Tensor, per_group: int, group_rows: int) -> torch.Tensor:
     """w [R, k], idx [R, k], table [G * N, D] -> [R, D]."""
     w, idx, table = w.contiguous(), idx.contiguous(), table.contiguous()
@@ -61,6 +46,12 @@ def mix_rows(w: torch.Tensor, idx: torch.Tensor, table: torch.Tensor, per_group:
     return out
 
 
+@register_fake("lra::mix_rows")
+def _(w, idx, table, per_group, group_rows):
+    return table.new_empty(w.shape[0], table.shape[1])
+
+
+@custom_op("lra::dot_rows", mutates_args=(), device_types="cpu")
 def dot_rows(x: torch.Tensor, idx: torch.Tensor, table: torch.Tensor, per_group: int, group_rows: int) -> torch.Tensor:
     """x [R, D], idx [R, k], table [G * N, D] -> [R, k]."""
     x, idx, table = x.contiguous(), idx.contiguous(), table.contiguous()
@@ -70,10 +61,22 @@ def dot_rows(x: torch.Tensor, idx: torch.Tensor, table: torch.Tensor, per_group:
     return out
 
 
-def scatter_outer(w: torch.Tensor, idx: torch.Tensor, x: torch.Tensor, grad: torch.Tensor, per_group: int,
-                  group_rows: int) -> torch.Tensor:
-    """grad [G * N, D] (contiguous, float32) += w[r, j] x[r] at the picked rows; returns grad."""
+@register_fake("lra::dot_rows")
+def _(x, idx, table, per_group, group_rows):
+    return x.new_empty(idx.shape)
+
+
+@custom_op("lra::scatter_outer", mutates_args=("grad",), device_types="cpu")
+def scatter_outer_op(w: torch.Tensor, idx: torch.Tensor, x: torch.Tensor, grad: torch.Tensor, per_group: int,
+                     group_rows: int) -> None:
+    """grad [G * N, D] (contiguous, float32) += w[r, j] x[r] at the picked rows, in place."""
     w, idx, x = w.contiguous(), idx.contiguous(), x.contiguous()
     _library().scatter_outer(w.data_ptr(), idx.data_ptr(), x.data_ptr(), idx.shape[0], idx.shape[1], x.shape[1],
                              per_group, group_rows, grad.data_ptr(), torch.get_num_threads())
+
+
+def scatter_outer(w: torch.Tensor, idx: torch.Tensor, x: torch.Tensor, grad: torch.Tensor, per_group: int,
+                  group_rows: int) -> torch.Tensor:
+    """grad [G * N, D] (contiguous, float32) += w[r, j] x[r] at the picked rows; returns grad."""
+    scatter_outer_op(w, idx, x, grad, per_group, group_rows)
     return grad

@@ -1,4 +1,4 @@
-"""Attention of routed queries against small experts, grouped by expert (used by MoBA and MiTA).
+"""Grouped routed attention, the PyTorch form (kernel="torch"; the reference of the C and Triton forms).
 
 A routed backend sends each query to a few experts, each a short list of keys and values. Giving
 every query its own copy of its expert's keys costs (keys x D) memory per query; instead the
@@ -7,10 +7,15 @@ expert, so each tile reads its expert's keys once and runs one small matmul. The
 the pairs each expert really holds (8 to 64), so short sequences with few queries per expert do not
 pay for padded tiles. Tiles are ordered by expert, so the key gradients of a chunk's tiles are
 added into the tables with sorted indices (multithreaded CPU index_add is faster sorted). When the
-softmax weights of all tiles fit in ``SAVE_ELEMENTS`` they are kept for the backward pass;
+softmax weights of all tiles fit in ``tuning.SAVE_ELEMENTS`` they are kept for the backward pass;
 otherwise tiles run a chunk at a time and are recomputed in the backward pass (as flash attention
 does), so memory stays linear in the number of pairs with no large temporaries.
 ``merge`` combines a query's partial results over several experts by their log-sum-exp.
+
+Under torch.compile this form breaks the graph: the tile size and the number of tiles come from
+the pairs each expert holds (read on the host), so its shapes depend on the data. The C and Triton
+forms have none of that: their operators take the pairs sorted by expert (``expert_runs``, static
+shapes) and size their work inside.
 """
 from __future__ import annotations
 
@@ -19,19 +24,14 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-# tile sizes tried (pairs per tile); a chunk of the loop holds CHUNK_SLOTS slots; the softmax
-# weights of a call are kept for the backward pass up to SAVE_ELEMENTS (speed only: results do
-# not depend on these)
+from .. import tuning
+
+# tile sizes tried (pairs per tile); how many slots a chunk of the loop holds and how many softmax
+# weights are kept for the backward pass are host tuning (tuning.CHUNK_SLOTS, SAVE_ELEMENTS)
 TILES = (8, 16, 32, 64)
 MIN_TILE = TILES[0]
-CHUNK_SLOTS = 32768
-SAVE_ELEMENTS = 1 << 24
 # pairs per tile for a shared table, which holds every pair of its group: a few large matmuls
 SHARED_TILE = 512
-# fixed cost of one tile's small matmuls, in slots: the time per slot of a batched [tile, D=32] x
-# [D, S=64] product goes as 1 + 20 / tile on a 2-core AMD EPYC (1.7x lower at tile 64 than 16);
-# used only to pick the tile size
-TILE_OVERHEAD_SLOTS = 20
 
 
 @dataclass
@@ -51,9 +51,9 @@ class Tiling:
     unrouted: Optional[torch.Tensor]
 
     def chunks(self, whole: bool = False) -> Iterator[slice]:
-        """Consecutive runs of tiles of about CHUNK_SLOTS slots (all tiles at once when ``whole``)."""
+        """Consecutive runs of tiles of about tuning.CHUNK_SLOTS slots (all tiles at once when ``whole``)."""
         tiles = self.expert.numel()
-        step = tiles if whole else max(1, CHUNK_SLOTS // self.tile)
+        step = tiles if whole else max(1, tuning.CHUNK_SLOTS // self.tile)
         for first in range(0, tiles, max(step, 1)):
             yield slice(first, min(first + step, tiles))
 
@@ -77,7 +77,7 @@ def pick_tile(counts: torch.Tensor) -> int:
     per-expert pair counts [E]."""
     # tiles needed at each size, read back in one transfer
     tiles = torch.stack([((counts + tile - 1) // tile).sum() for tile in TILES]).tolist()
-    costs = [n * (tile + TILE_OVERHEAD_SLOTS) for n, tile in zip(tiles, TILES)]
+    costs = [n * (tile + tuning.TILE_OVERHEAD_SLOTS) for n, tile in zip(tiles, TILES)]
     return TILES[costs.index(min(costs))]
 
 
@@ -85,7 +85,12 @@ def expert_runs(expert: torch.Tensor, num_experts: int) -> Tuple[torch.Tensor, t
     """Pairs sorted by expert, those with no expert (number X) last, and each expert's run: expert x
     owns order[offsets[x]:offsets[x + 1]] (the grouping of the Triton and C kernels). [P] -> [P], [X + 1]."""
     order = torch.argsort(expert, stable=True)  # [P]
-    counts = torch.bincount(expert, minlength=num_experts + 1)[:num_experts]  # [X]
+    if torch.compiler.is_compiling():
+        # a scatter-add of ones: bincount's output size depends on the values, which breaks the graph
+        counts = torch.zeros(num_experts + 1, dtype=torch.long, device=expert.device)
+        counts = counts.scatter_add_(0, expert, torch.ones_like(expert))[:num_experts]  # [X]
+    else:
+        counts = torch.bincount(expert, minlength=num_experts + 1)[:num_experts]  # [X]
     return order, torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0))
 
 
@@ -152,7 +157,7 @@ class GroupedAttention(torch.autograd.Function):
         num_tiles, tile = q_tiles.shape[:2]
         width = keys.shape[1]
         # weights [T, tile, S] and the tiles' keys and values [T, S, D] x 2, kept when they fit
-        keep = num_tiles * width * (tile + 2 * q.shape[-1]) <= SAVE_ELEMENTS
+        keep = num_tiles * width * (tile + 2 * q.shape[-1]) <= tuning.SAVE_ELEMENTS
         out = torch.empty_like(q_tiles)
         lse = q.new_empty(num_tiles, tile)  # [T, tile]
         kept: List[torch.Tensor] = []

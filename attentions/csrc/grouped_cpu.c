@@ -1,4 +1,4 @@
-/* Grouped attention on the CPU: the kernel behind attentions/grouped_cpu.py (float32).
+/* Grouped attention on the CPU: the kernel behind attentions/ops/grouped/cpu.py (float32).
  *
  * Pairs (query, expert) come sorted by expert: expert x owns order[offsets[x] .. offsets[x+1]).
  * Expert x attends to S keys read by index, rows[x * S + s] of the [R, D] key and value tables

@@ -1,10 +1,10 @@
-"""Grouped attention on Triton kernels: ``grouped_attention`` of grouped.py (same arguments, same
+"""Grouped routed attention on Triton kernels: ``grouped_attention`` of reference.py (same arguments, same
 results up to float rounding) for CUDA tensors, or for CPU tensors under Triton's interpreter.
 
 The (query, expert) pairs are sorted by expert (``sort_by_expert``) and cut into work items of up
 to BLOCK_Q pairs of one expert. Each kernel program reads its expert's keys and values by index
 from the [X, S, D] tables (no gathered copies, no scatter-add), the shared table's [M, D] rows
-before them, all under one online softmax (grouped_kernels.py). With p = softmax(logits),
+before them, all under one online softmax (triton_kernels.py). With p = softmax(logits),
 logits = scale q K^T, the backward is
     d_logits = p * (d_out V^T - d_out . out + d_lse),  dq = scale d_logits K,  dK = scale d_logits^T q,  dV = p^T d_out
 with dq per work item and dK, dV per (expert, block of keys); the shared tables' gradients are
@@ -19,15 +19,13 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable, Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import grouped_cpu, native
-from .base import AttentionError
-from .grouped import expert_runs, grouped_attention
+from ...base import AttentionError
+from .reference import expert_runs
 
-KERNELS = ("auto", "torch", "triton", "cpu")
 # pairs per work item lie in [MIN_TILE, MAX_TILE], a power of two near the mean pairs per expert
 MIN_TILE, MAX_TILE = 16, 64
 # keys per block of a kernel's loop; the head dim is padded to a power of two, at most MAX_HEAD_DIM
@@ -37,19 +35,9 @@ MAX_HEAD_DIM = 256
 DOT_PRECISION = "ieee"
 
 
+@torch.compiler.assume_constant_result
 def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
-
-
-def check_kernel(kernel: str, backend: str) -> None:
-    """Raise an AttentionError for an unknown ``kernel`` setting, or "triton" without Triton installed."""
-    if kernel not in KERNELS:
-        raise AttentionError(f"{backend} kernel={kernel!r} is not one of {', '.join(KERNELS)}")
-    if kernel == "triton" and not triton_installed():
-        raise AttentionError(f"{backend} kernel='triton' needs Triton, which is not installed: pip install triton")
-    if kernel == "cpu" and not grouped_cpu.available():
-        raise AttentionError(f"{backend} kernel='cpu' needs the C kernel, which cannot be built here: "
-                             f"{native.why_not(grouped_cpu.LIBRARY)}; use kernel='torch'")
 
 
 def interpreting() -> bool:
@@ -57,46 +45,39 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def pick_grouped(kernel: str, device: torch.device) -> Callable:
-    """The grouped attention function of a backend's ``kernel`` setting (checked by check_kernel) for
-    tensors on ``device``. "auto" is Triton on CUDA when Triton is installed: on an NVIDIA H200 the
-    kernels passed scripts/device_check.py and ran MiTA's attention 1.4x-5.4x faster than the PyTorch
-    path from 16K to 256K tokens (results/throughput/attention-nvidia-h200-*); on the CPU it is the
-    C kernel (grouped_cpu.py) when it builds here, else PyTorch."""
-    if kernel == "triton" or (kernel == "auto" and device.type == "cuda" and triton_installed()):
-        return grouped_attention_triton
-    if kernel == "cpu" and device.type != "cpu":
-        raise AttentionError(f"kernel='cpu' runs on CPU tensors, these are on {device.type}; use kernel='auto'")
-    if kernel == "cpu" or (kernel == "auto" and device.type == "cpu" and grouped_cpu.available()):
-        return grouped_cpu.grouped_attention_cpu
-    return grouped_attention
-
-
-def kernel_name(kernel: str, device: torch.device) -> str:
-    """"triton", "cpu" or "torch": the grouped kernel that ``kernel`` picks on ``device`` (records name it;
-    the C kernel hands inputs other than float32 to the PyTorch path)."""
-    fn = pick_grouped(kernel, device)
-    return {grouped_attention_triton: "triton", grouped_cpu.grouped_attention_cpu: "cpu"}.get(fn, "torch")
+def refusals(q: torch.Tensor) -> List[str]:
+    """Why the Triton kernels do not take queries like ``q`` [P, D]; [] when they do."""
+    reasons = []
+    if not triton_installed():
+        reasons.append("Triton is not installed: pip install triton")
+    if q.device.type != "cuda" and not interpreting():
+        reasons.append(f"the Triton kernels run on CUDA tensors, these are on {q.device.type} "
+                       "(TRITON_INTERPRET=1 runs them in Triton's interpreter on the CPU: slow, for tests)")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        reasons.append(f"the Triton kernels take float32, bfloat16 or float16, not {q.dtype}")
+    if q.shape[-1] > MAX_HEAD_DIM:
+        reasons.append(f"the Triton kernels take head_dim <= {MAX_HEAD_DIM}, not {q.shape[-1]}")
+    return reasons
 
 
 def kernels() -> ModuleType:
-    """grouped_kernels.py, imported on first use (``attentions`` works without Triton).
+    """triton_kernels.py, imported on first use (``attentions`` works without Triton).
 
     Triton runs kernels compiled or in its interpreter as TRITON_INTERPRET was when triton.language
     was first imported; a later change would mix interpreted and compiled functions, so it is an error."""
     from triton.runtime.interpreter import InterpretedFunction
     import triton.language as tl
 
-    from . import grouped_kernels
+    from . import triton_kernels
 
     was = isinstance(tl.zeros, InterpretedFunction)
-    if {was, isinstance(grouped_kernels.grouped_forward, InterpretedFunction)} != {interpreting()}:
+    if {was, isinstance(triton_kernels.grouped_forward, InterpretedFunction)} != {interpreting()}:
         raise AttentionError(
             f"Triton's interpreter is {'on' if was else 'off'} (TRITON_INTERPRET as it was when triton was first "
             f"imported) but TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')!r} now: set it before anything "
             "imports triton (the tests: tests/conftest.py)"
         )
-    return grouped_kernels
+    return triton_kernels
 
 
 @dataclass
@@ -159,7 +140,7 @@ def _tables(keys, values, shared_keys, shared_values, key_ok, shared_ok) -> Tupl
 
 
 class GroupedAttentionTriton(torch.autograd.Function):
-    """softmax(scale q K_e^T) V_e for each pair with its log-sum-exp, on the kernels of grouped_kernels.py."""
+    """softmax(scale q K_e^T) V_e for each pair with its log-sum-exp, on the kernels of triton_kernels.py."""
 
     @staticmethod
     def forward(ctx, q, keys, values, shared_keys, shared_values, key_ok, shared_ok, group: int, scale: float,
@@ -225,7 +206,7 @@ def grouped_attention_triton(
     with_lse: bool = False,
     shared: Optional[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """grouped.grouped_attention on Triton kernels: the same arguments and results (see there).
+    """reference.grouped_attention on Triton kernels: the same arguments and results (see there).
 
     An expert whose keys are all masked gives its pairs out 0 and lse -inf (the PyTorch path: nan);
     the backends never build one."""

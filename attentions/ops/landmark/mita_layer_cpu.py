@@ -1,12 +1,14 @@
 """MiTA's default form (one routed expert per query, with the shared expert) on the CPU kernels as one
-autograd Function: the same steps and kernels as mita.py's composed path (landmark_cpu.py,
-grouped_cpu.py), with the backward written into one set of gradients.
+autograd Function over their operators: the same steps and kernels as mita.py's composed path
+(landmark/cpu.py, grouped/cpu.py), with the backward written into one set of gradients. It saves
+tensors only, and every step is a torch operator or a ``lra::`` operator, so torch.compile traces it
+whole (no graph break) and the profiler names each kernel.
 
 Composed of separate Functions, the backward would make each stage's q, k, v gradients as new
 tensors for autograd to add: at N = 64K (B = 1, H = 4, D = 32) three [G, N, D] additions, three new
 [G, N, D] tensors and a zero [G, m, N] gradient for the scores, about 15% of the step. Here the
 grouped kernel's gradients are the buffers: the landmark pass adds its key, value and landmark
-gradients into them and the pooling adds its query gradient into dq (the kernels' ``accumulate``).
+gradients into them and the pooling adds its query gradient into dq (the ``*_add`` operators).
 tests/test_mita_cpu.py checks it against the composed path and ``mita.reference``.
 """
 from __future__ import annotations
@@ -16,9 +18,9 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .grouped import expert_runs
-from .grouped_cpu import backward_call as grouped_backward, forward_call as grouped_forward, take_rows
-from .landmark_cpu import kernel_bins, landmark_backward, landmark_forward, pool_backward, pool_forward, route_best
+from ..grouped.cpu import grouped_backward, grouped_forward, take_rows
+from ..grouped.reference import expert_runs
+from .cpu import kernel_bins, landmark_backward_add, landmark_forward, pool_bins, pool_bins_backward_add, route_best
 
 
 class MiTACPU(torch.autograd.Function):
@@ -34,26 +36,25 @@ class MiTACPU(torch.autograd.Function):
         scale = 1 / math.sqrt(d)
         # 1. landmarks: bin means of the queries over each sequence's real tokens
         starts, ends, real_marks = kernel_bins(mask, b, n, m, q.device)  # [B, m] each
-        marks, pool_args = pool_forward(q.view(g, n, d), starts, ends, h)  # [G, m, D]
+        marks = pool_bins(q.view(g, n, d), starts, ends, h)  # [G, m, D]
         scaled = marks / math.sqrt(d)  # the landmarks as keys: q . L gets 1 / D, L . k gets 1 / sqrt(D)
         # 2-3. the landmarks' scores against every key and the shared values
         mask_bytes = None if mask is None else mask.contiguous().view(torch.uint8)  # [B, N]
-        shared_values, scores, landmark_args = landmark_forward(scaled, k.view(g, n, d), v.view(g, n, d),
-                                                                mask_bytes, h)
+        k_rows, v_rows = k.view(g, n, d), v.view(g, n, d)
+        shared_values, scores, landmark_lse = landmark_forward(scaled, k_rows, v_rows, mask_bytes, h)
         index, key_ok = select(scores.view(b, h, m, n), keys)  # [B, H, m, keys] each
-        expert_ok = None if mask is None or bool(key_ok.all()) else key_ok.view(g * m, keys)
+        # (the kernels drop masks that are all True themselves: no host read here)
+        expert_ok = None if mask is None else key_ok.reshape(g * m, keys).contiguous().view(torch.uint8)
         # 4. each query to its best real landmark: expert numbers over (head, landmark), G m for none
         real_marks = real_marks.repeat_interleave(h, dim=0)  # [G, m]
-        all_real = bool(real_marks.all())
-        best = route_best(q.view(g, n, d), marks, None if all_real else real_marks)  # [G, N]
+        best = route_best(q.view(g, n, d), marks, real_marks)  # [G, N]
         heads = torch.arange(g, device=q.device)[:, None]  # [G, 1]
         expert = torch.where(best >= 0, best + heads * m, g * m).flatten()  # [G N]
         # 5. the grouped attention: expert e of head x holds key rows index[e] of k and v [G N, D]
         rows = (index.view(g, m * keys) + heads * n).view(g * m, keys)
         order, offsets = expert_runs(expert, g * m)
-        shared_ok = None if all_real else real_marks.view(torch.uint8)
-        q_rows, k_rows, v_rows = q.view(g * n, d), k.view(g * n, d), v.view(g * n, d)
-        expert_ok = None if expert_ok is None else expert_ok.contiguous().view(torch.uint8)
+        shared_ok = real_marks.contiguous().view(torch.uint8)
+        q_rows = q.view(g * n, d)
         # the queries in expert order, so that the kernel reads q and writes out (and in the backward
         # reads d_out and writes dq) in consecutive rows: 8% less time at 64K than rows scattered
         # over the table; out and dq go back to query order by the inverse permutation (a gather:
@@ -62,29 +63,29 @@ class MiTACPU(torch.autograd.Function):
         q_sorted = take_rows(q_rows, order)  # [G N, D]
         in_order = torch.arange(g * n, device=q.device)
         inverse = torch.empty_like(order).scatter_(0, order, in_order)  # [G N]: query -> its row in q_sorted
-        out_sorted, lse, grouped_args = grouped_forward(q_sorted, k_rows, v_rows, scaled, shared_values, rows,
-                                                      expert_ok, shared_ok, in_order, offsets, m, scale, m)
+        grouped = (q_sorted, k.view(g * n, d), v.view(g * n, d), scaled, shared_values, rows, expert_ok, shared_ok,
+                   in_order, offsets)
+        out_sorted, lse, probs = grouped_forward(*grouped, m, scale, m)
         out = take_rows(out_sorted, inverse)
-        ctx.save_for_backward(q_sorted, k_rows, v_rows, scaled, shared_values, scores, rows, expert_ok, shared_ok,
-                              out_sorted, lse, order, inverse, in_order, offsets, starts, ends, mask_bytes)
-        ctx.args = (pool_args, landmark_args, grouped_args)
-        ctx.dims, ctx.scale = (b, h, n, d), scale
+        ctx.save_for_backward(*grouped, out_sorted, lse, probs, order, inverse, starts, ends, mask_bytes, k_rows,
+                              v_rows, scores, landmark_lse)
+        ctx.dims, ctx.scale, ctx.landmarks = (b, h, n, d), scale, m
         return out.view(b, h, n, d)
 
     @staticmethod
     def backward(ctx, d_out: torch.Tensor):
-        (q_sorted, k_rows, v_rows, scaled, shared_values, _, _, _, _, out_sorted, lse, order, inverse, in_order,
-         offsets, *_) = ctx.saved_tensors
-        pool_args, landmark_args, grouped_args = ctx.args
+        (*grouped, out_sorted, lse, probs, order, inverse, starts, ends, mask_bytes, k_rows, v_rows, scores,
+         landmark_lse) = ctx.saved_tensors
         b, h, n, d = ctx.dims
-        g = b * h
+        g, m = b * h, ctx.landmarks
+        scaled, shared_values = grouped[3], grouped[4]
         # the grouped attention's gradients, new tensors: dq, dk, dv [G N, D], d scaled, d shared values [G, m, D]
         d_out_sorted = take_rows(d_out.reshape(g * n, d).contiguous(), order)  # [G N, D], expert order
         dq_sorted, dk, dv, d_scaled, d_shared_values = grouped_backward(
-            grouped_args, q_sorted, k_rows, v_rows, scaled, shared_values, in_order, offsets, out_sorted, lse,
-            d_out_sorted, None)
+            *grouped, out_sorted, lse, probs, d_out_sorted, None, m, ctx.scale, m)
         dq = take_rows(dq_sorted, inverse)
         # the landmark pass adds its d scaled marks, dk, dv to them; the pooling its dq
-        landmark_backward(landmark_args, d_shared_values, (d_scaled, dk.view(g, n, d), dv.view(g, n, d)))
-        pool_backward(pool_args, d_scaled.mul_(ctx.scale), dq.view(g, n, d))
+        landmark_backward_add(scaled, k_rows, v_rows, mask_bytes, scores, landmark_lse, shared_values, d_shared_values,
+                              h, d_scaled, dk.view(g, n, d), dv.view(g, n, d))
+        pool_bins_backward_add(d_scaled * ctx.scale, starts, ends, h, dq.view(g, n, d))
         return dq.view(b, h, n, d), dk.view(b, h, n, d), dv.view(b, h, n, d), None, None, None, None

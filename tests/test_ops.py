@@ -1,0 +1,146 @@
+"""The C kernels as torch.library operators: ``torch.library.opcheck`` (schema, fake tensors, autograd
+registration, AOT dispatch with dynamic shapes) passes for every ``lra::`` operator on small inputs,
+the profiler names them, and their autograd saves tensors, not kernel argument blocks."""
+from __future__ import annotations
+
+from typing import Callable, List, Tuple
+
+import pytest
+import torch
+
+from attentions.ops.block_gate import cpu as gate
+from attentions.ops.grouped import cpu as grouped
+from attentions.ops.grouped.reference import expert_runs
+from attentions.ops.landmark import cpu as landmark
+from attentions.ops.row_products import cpu as rows
+from attentions.ops.topk_selection import cpu as selection
+from lra import dropout
+
+needs_kernels = pytest.mark.skipif(not grouped.takes(torch.zeros(0)), reason="the C kernels do not build here")
+
+
+def randn(*shape: int, grad: bool = False) -> torch.Tensor:
+    return torch.randn(*shape, generator=GEN).requires_grad_(grad)
+
+
+GEN = torch.Generator().manual_seed(0)
+
+
+def grouped_inputs(shared: bool, masked: bool, by_rows: bool, grad: bool) -> tuple:
+    """lra::grouped_forward's arguments: 20 pairs over 3 experts of 4 keys (a pair with no expert),
+    D = 8; a shared table of 2 keys per group of 3 experts; key masks; the keys read by index."""
+    p, x, s, d = 20, 3, 4, 8
+    expert = torch.randint(0, x + 1, (p,), generator=GEN)
+    order, offsets = expert_runs(expert, x)
+    keys, values = (randn(10, d, grad=grad) for _ in range(2)) if by_rows else (randn(x, s, d, grad=grad)
+                                                                               for _ in range(2))
+    index = torch.randint(0, 10, (x, s), generator=GEN) if by_rows else None
+    key_ok = (torch.rand(x, s, generator=GEN) > 0.3).view(torch.uint8) if masked else None
+    if key_ok is not None:
+        key_ok[:, 0] = 1
+    shared_keys, shared_values = (randn(1, 2, d, grad=grad) for _ in range(2)) if shared else (None, None)
+    shared_ok = torch.tensor([[1, 0]], dtype=torch.uint8) if shared and masked else None
+    group, unit = (3, 3) if shared else (1, 1)
+    return (randn(p, d, grad=grad), keys, values, shared_keys, shared_values, index, key_ok, shared_ok, order,
+            offsets, group, 0.35, unit)
+
+
+def landmark_inputs(masked: bool, grad: bool) -> tuple:
+    """lra::landmark_forward's arguments: 2 sequences x 2 heads, 3 landmarks, 10 keys, D = 8."""
+    key_ok = torch.tensor([[1] * 10, [1] * 6 + [0] * 4], dtype=torch.uint8) if masked else None
+    return randn(4, 3, 8, grad=grad), randn(4, 10, 8, grad=grad), randn(4, 10, 8, grad=grad), key_ok, 2
+
+
+def pool_bounds() -> Tuple[torch.Tensor, torch.Tensor]:
+    starts, ends, _ = landmark.kernel_bins(torch.arange(10)[None, :] < torch.tensor([[10], [7]]), 2, 10, 3,
+                                           torch.device("cpu"))
+    return starts, ends
+
+
+def cases() -> List[Tuple[str, Callable, tuple]]:
+    out = []
+    for shared in (False, True):
+        for masked in (False, True):
+            for by_rows in (False, True):
+                label = f"shared{int(shared)}-masked{int(masked)}-rows{int(by_rows)}"
+                args = grouped_inputs(shared, masked, by_rows, grad=True)
+                out.append((f"grouped_forward-{label}", grouped.grouped_forward, args))
+                plain = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+                o, lse, probs = grouped.grouped_forward(*plain)
+                backward = (*plain[:10], o, lse, probs, randn(*o.shape), randn(*lse.shape), *plain[10:])
+                out.append((f"grouped_backward-{label}", grouped.grouped_backward, backward))
+    for slot_major in (False, True):
+        parts, lse = randn(6, 3, 8, grad=True), randn(6, 3, grad=True)
+        if slot_major:
+            parts, lse = randn(3, 6, 8, grad=True), randn(3, 6, grad=True)
+        out.append((f"merge_parts-slot_major{int(slot_major)}", grouped.merge_parts, (parts, lse, slot_major)))
+        o, w = grouped.merge_parts(parts.detach(), lse.detach(), slot_major)
+        out.append((f"merge_parts_backward-slot_major{int(slot_major)}", grouped.merge_parts_backward,
+                    (parts.detach(), lse.detach(), o, w, randn(6, 8), slot_major)))
+    out.append(("take_rows", grouped.take_rows_op, (randn(10, 8), torch.tensor([3, 0, 9, 3, 1]))))
+    starts, ends = pool_bounds()
+    out.append(("pool_bins", landmark.pool_bins, (randn(4, 10, 8, grad=True), starts, ends, 2)))
+    out.append(("pool_bins_backward", landmark.pool_bins_backward, (randn(4, 3, 8), starts, ends, 2, 10)))
+    out.append(("pool_bins_backward_add", landmark.pool_bins_backward_add, (randn(4, 3, 8), starts, ends, 2,
+                                                                            randn(4, 10, 8))))
+    for masked in (False, True):
+        args = landmark_inputs(masked, grad=True)
+        out.append((f"landmark_forward-masked{int(masked)}", landmark.landmark_forward, args))
+        plain = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        shared, scores, lse = landmark.landmark_forward(*plain)
+        backward = (*plain[:4], scores, lse, shared, randn(4, 3, 8), 2)
+        out.append((f"landmark_backward-masked{int(masked)}", landmark.landmark_backward, backward))
+        out.append((f"landmark_backward_add-masked{int(masked)}", landmark.landmark_backward_add,
+                    (*backward, randn(4, 3, 8), randn(4, 10, 8), randn(4, 10, 8))))
+    out.append(("route_best", landmark.route_best_op, (randn(4, 10, 8), randn(4, 3, 8), None)))
+    out.append(("route_best-masked", landmark.route_best_op,
+                (randn(4, 10, 8), randn(4, 3, 8), torch.tensor([[1, 0, 1]] * 3 + [[0, 0, 0]], dtype=torch.uint8))))
+    out.append(("topk_select", selection.topk_rows, (randn(2, 3, 40), 7)))
+    w, idx = randn(6, 4), torch.randint(0, 5, (6, 4), generator=GEN)
+    out.append(("mix_rows", rows.mix_rows, (w, idx, randn(10, 8), 3, 5)))
+    out.append(("dot_rows", rows.dot_rows, (randn(6, 8), idx, randn(10, 8), 3, 5)))
+    out.append(("scatter_outer", rows.scatter_outer_op, (w, idx, randn(6, 8), torch.zeros(10, 8), 3, 5)))
+    empty = torch.tensor([[0, 0, 0, 1], [0, 1, 1, 1]], dtype=torch.uint8)
+    for own in (False, True):
+        out.append((f"block_gate-own{int(own)}", gate.block_gate, (randn(2, 2, 13, 8), randn(2, 2, 4, 8), empty, 4,
+                                                                   2, own)))
+    out.append(("dropout", dropout.dropout_op, (randn(4, 16, grad=True), 0.3, torch.tensor(12345))))
+    return out
+
+
+CASES = cases() if grouped.takes(torch.zeros(0)) else []
+
+
+@needs_kernels
+@pytest.mark.parametrize("name, op, args", CASES, ids=[c[0] for c in CASES])
+def test_opcheck(name: str, op, args: tuple) -> None:
+    torch.library.opcheck(op, args)
+
+
+@needs_kernels
+def test_every_kernel_entry_is_an_operator_in_one_namespace() -> None:
+    names = {c[0].split("-")[0] for c in CASES}
+    assert names == {"grouped_forward", "grouped_backward", "merge_parts", "merge_parts_backward", "take_rows",
+                     "pool_bins", "pool_bins_backward", "pool_bins_backward_add", "landmark_forward",
+                     "landmark_backward", "landmark_backward_add", "route_best", "topk_select", "mix_rows",
+                     "dot_rows", "scatter_outer", "block_gate", "dropout"}
+    for name in names:
+        assert hasattr(torch.ops.lra, name), name
+
+
+@needs_kernels
+def test_the_profiler_names_the_operators_of_a_training_step() -> None:
+    from attentions import build_attention
+
+    q, k, v = (torch.randn(2, 2, 128, 16, requires_grad=True) for _ in range(3))
+    seen = set()
+    for name, options in (("mita", {"landmarks": 8, "topk": 8}), ("moba", {"block_size": 16, "topk": 3}),
+                          ("topk", {"topk": 8})):
+        attn = build_attention(name, num_heads=2, head_dim=16, max_len=128, **options)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            attn(q, k, v).sum().backward()
+        seen |= {e.key for e in prof.key_averages() if e.key.startswith("lra::")}
+    assert {"lra::pool_bins", "lra::landmark_forward", "lra::route_best", "lra::topk_select", "lra::take_rows",
+            "lra::grouped_forward", "lra::grouped_backward", "lra::landmark_backward_add",
+            "lra::pool_bins_backward_add", "lra::block_gate", "lra::merge_parts", "lra::merge_parts_backward",
+            "lra::mix_rows", "lra::dot_rows", "lra::scatter_outer"} <= seen, sorted(seen)

@@ -6,8 +6,9 @@
     attn = build_attention("mine", num_heads=2, head_dim=32, max_len=2000, some_param=3)
 
 Backends come from this package (the modules of ``BUILTINS``: a new built-in is one file here, its
-name in that list, and its YAML values for LRA runs in lra/configs/attn/), from a user's file (``load_attention_module``) or from installed packages that expose them through the
-entry-point group ``lra.attentions``. Listings put the built-ins first, in their ``order``.
+name in that list, and its YAML values for LRA runs in lra/configs/attn/), from a user's file
+(``load_attention_module``) or from installed packages that expose them through the entry-point
+group ``lra.attentions``. Listings put the built-ins first, in their ``order``.
 """
 from __future__ import annotations
 

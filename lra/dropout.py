@@ -6,8 +6,9 @@ of full attention's too, time that says nothing about attention. The kernel keep
 a hash of (seed, i) clears p 2^32, with one 64-bit seed per call drawn from torch's default
 generator: ``torch.manual_seed`` makes runs repeat, a checkpoint's RNG state resumes them, and the
 mask does not depend on the thread count. The backward applies the same mask to the gradient from
-the seed alone. The kernel is the torch.library operator ``lra::dropout``. The masks are not torch's (a run with the kernel and one without draw different
-dropout patterns); keep-rate and scaling are the same, 1 - p and 1 / (1 - p).
+the seed alone. The kernel is the torch.library operator ``lra::dropout``. The masks are not
+torch's (a run with the kernel and one without draw different dropout patterns); keep-rate and
+scaling are the same, 1 - p and 1 / (1 - p).
 """
 from __future__ import annotations
 

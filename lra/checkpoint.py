@@ -71,9 +71,16 @@ BUSY = "{folder} is in use by another lra-run (pid {pid}); wait for it to end or
 
 
 def run_name(cfg: RunConfig) -> str:
-    """``<task>_<attn>_<preset>_seed<seed>``, and ``_from-<source folder>`` for a run started from
-    another run's weights (--init-from)."""
-    base = f"{cfg.task}_{cfg.attn}_{cfg.preset}_seed{cfg.seed}"
+    """``<task>_<attn>_<preset>_seed<seed>``, with the task's level tag after its name where it has
+    levels (``mqar-L128-p32_full_cpu_seed0``: ``Task.run_tag``), and ``_from-<source folder>`` for a run
+    started from another run's weights (--init-from)."""
+    from .tasks import get_task
+
+    try:
+        tag = get_task(cfg.task).run_tag(cfg.data)
+    except UserError:  # a task this process has not registered: named by itself
+        tag = ""
+    base = f"{cfg.task}{'-' + tag if tag else ''}_{cfg.attn}_{cfg.preset}_seed{cfg.seed}"
     return f"{base}_from-{Path(cfg.init_from).name}" if cfg.init_from else base
 
 

@@ -130,7 +130,7 @@ def test_smoke_run_of_full_attention(tmp_path: Path, cli, monkeypatch: pytest.Mo
     (tmp_path / "data").mkdir()
     ran = cli("lra-run", *TINY_MQAR, "--attn", "full", "--data-dir", "data", "--out", "runs")
     assert ran.code == 0, ran.err
-    record = json.loads((tmp_path / "runs" / "mqar_full_smoke_seed0" / "record.json").read_text())
+    record = json.loads((tmp_path / "runs" / "mqar-L32-p4-v32_full_smoke_seed0" / "record.json").read_text())
     assert record["status"] == "completed" and record["task"] == "mqar"
     # the smoke preset tests 4 batches of 8 rows: 32 rows, 4 queries each; an accuracy is a count of them
     assert record["test_examples"] == 32 and round(record["test_acc"] * 128, 6) == round(record["test_acc"] * 128)
@@ -147,6 +147,34 @@ def test_every_backend_at_the_tasks_shapes(cli) -> None:
     ran = cli("lra-check-attn", *names, "--task", "mqar", "--preset", "smoke")
     assert ran.code == 0, ran.out
     assert ran.out.count("B=3 H=2 N=64 D=32") == len(list_attentions()) and "FAIL" not in ran.out
+
+
+def test_cpu_protocol_keeps_every_budget_well_below_n() -> None:
+    """At the cpu preset no backend but full attention (and linear attention, through its fixed state)
+    reaches every key: each sparse or compressed backend sees at most N / 8 keys per query."""
+    from attentions import build_attention, list_attentions
+    from lra.config import resolve
+    from lra.tables.recall import keys_per_query
+
+    seen = {}
+    for name in list_attentions():
+        cfg = resolve("mqar", name, "cpu")
+        n, heads = cfg.data.max_len, cfg.model.num_heads
+        attn = build_attention(name, num_heads=heads, head_dim=cfg.model.dim // heads, max_len=n, **cfg.attn_options)
+        seen[name] = keys_per_query(attn.budget(), n)
+    assert seen["full"] == seen["linear"] == 128
+    assert all(keys <= 128 // 8 for name, keys in seen.items() if name not in ("full", "linear")), seen
+
+
+def test_run_folders_name_the_level() -> None:
+    from lra.checkpoint import run_name
+    from lra.config import resolve
+
+    names = {run_name(resolve("mqar", "full", "cpu", sets=[f"data.pairs={p}"])) for p in (8, 16, 32)}
+    assert names == {f"mqar-L128-p{p}-v256-one-token_full_cpu_seed0" for p in (8, 16, 32)}
+    assert run_name(resolve("mqar", "mita", "paper", seed=2)) == "mqar-L256-p16_mita_paper_seed2"
+    # a task of one level keeps its plain name
+    assert run_name(resolve("listops", "full", "cpu")) == "listops_full_cpu_seed0"
 
 
 def test_generate_writes_readable_tsv(tmp_path: Path, cli) -> None:

@@ -49,7 +49,8 @@ class RunSpec:
 
     @property
     def name(self) -> str:
-        """The run folder's name as lra-run gives it (lra.checkpoint.run_name), before any ``-N``."""
+        """The run's name by its flags; its folder is lra.checkpoint.run_name of the resolved config, which
+        adds a task's level tag (``mqar-L128-p32_...``) and any ``-N``."""
         return f"{self.task}_{self.attn}_{self.preset}_seed{self.seed}"
 
     @property

@@ -122,6 +122,11 @@ class Task:
         each its own cell); none by default: every run of the task is the same experiment."""
         return {}
 
+    def run_tag(self, data: "DataConfigLike") -> str:
+        """What a run folder's name carries after the task's name to tell its level from the others
+        (``mqar-L128-p32_full_cpu_seed0``); "" by default: a task of one level is named by itself."""
+        return ""
+
 
 class DataConfigLike:  # the fields of lra.config.DataConfig that loaders read (for type hints)
     data_dir: str

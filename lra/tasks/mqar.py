@@ -182,6 +182,15 @@ class MQAR(Task):
         shape = shape_of(data)
         return {"level": shape.form, "max_len": shape.length, "vocab": shape.vocab, "pairs": shape.pairs}
 
+    def run_tag(self, data: DataConfigLike) -> str:
+        """N and the pairs, and the vocabulary and formulation where they are not zoology's:
+        ``L128-p32``, ``L64-p4-v256-one-token``."""
+        shape = shape_of(data)
+        tag = f"L{shape.length}-p{shape.pairs}"
+        if shape.vocab != VOCAB:
+            tag += f"-v{shape.vocab}"
+        return tag if shape.form == FORMS[0] else f"{tag}-{shape.form}"
+
     def load(self, data: DataConfigLike) -> Dict[str, Split]:
         shape = shape_of(data)
         return {s: make_split(shape, data.seed, i, split_sizes(data)[s]) for i, s in enumerate(SPLITS)}

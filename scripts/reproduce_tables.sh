@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Regenerate results/tables/ (Markdown, CSV, LaTeX, plots) from the committed records in results/runs/.
+# Regenerate results/tables/ (Markdown, CSV, LaTeX, plots) from the committed records: the LRA runs in
+# results/runs/ (accuracy, efficiency) and the MQAR matrix in results/mqar/ (recall).
 # No training; takes seconds. Extra arguments go to lra-table, e.g. --attn-module examples/my_attention.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec lra-table --runs results/runs --out results/tables "$@"
+exec lra-table --runs results/runs --runs results/mqar --out results/tables "$@"

@@ -243,3 +243,37 @@ def test_shape_of_defaults_and_spec() -> None:
     cfg = resolve("mqar", "full", "smoke")
     spec = get_task("mqar").spec_for(cfg.data)
     assert spec.token_level and not spec.padded and spec.vocab_size == spec.num_classes == cfg.data.vocab
+
+
+def test_reproduce_mqar_scripts_run_the_matrix_and_the_budget_grid(tmp_path: Path) -> None:
+    """scripts/reproduce_mqar.sh: backends x levels x seeds through lra-sweep, then the recall table;
+    scripts/reproduce_mqar_budget.sh: lra-analyze budget on each MiTA run, then its table over seeds."""
+    import os
+    import subprocess
+
+    from conftest import ROOT
+
+    runs = tmp_path / "runs"
+    env = {**os.environ, "OUT": str(runs), "TABLES": str(tmp_path / "tables"), "PRESET": "smoke", "SEEDS": "0 1",
+           "PAIRS": "2 4", "BACKENDS": "full mita"}
+    tiny = ["model.dim=16", "model.ffn_dim=32", "model.num_layers=1", "train.steps=4", "train.eval_every=2",
+            "data.size=32"]
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "reproduce_mqar.sh"), "--executor", "debug", "--quiet",
+                           "--set", *tiny], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.parent.name for p in runs.glob("*/record.json")) == sorted(
+        f"mqar-L64-p{p}-v256_{a}_smoke_seed{s}" for a in ("full", "mita") for p in (2, 4) for s in (0, 1))
+    recall = (tmp_path / "tables" / "recall.md").read_text()
+    assert "| 2 pairs | 4 pairs |" in recall and "Runs used (8)" in recall
+    env = {**os.environ, "RUNS": str(runs), "OUT": str(tmp_path / "budget"), "PRESET": "smoke", "BACKENDS": "mita",
+           "EXAMPLES": "8", "GRID_mita": "attn.landmarks=4,8 attn.topk=8"}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "reproduce_mqar_budget.sh")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = (tmp_path / "budget" / "mqar_mita_smoke.md").read_text()
+    assert "| landmarks | topk | cost per query | pairs 2 | pairs 4 |" in table and "seeds 0, 1" in table
+    # no run of any backend asked for: lines naming what is missing, exit 2
+    env["BACKENDS"] = "topk"
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "reproduce_mqar_budget.sh")], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no finished topk run" in proc.stderr and "no run to analyse" in proc.stderr

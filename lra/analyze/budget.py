@@ -21,6 +21,7 @@ from ..config import parse_set
 from ..distributed import Dist
 from ..errors import UserError
 from ..tables.format import Table
+from ..tables.records import levels
 from ..train import evaluate
 from .loaded import Loaded, parameter_change
 
@@ -107,6 +108,8 @@ def tables(loaded: Loaded, grid: Grid, cells: List[Cell], base: Cell) -> List[Ta
     record = loaded.run.record
     rows, records = [], []
     in_grid = any(c is base for c in cells)
+    # the run's level (MQAR's pairs, N, ...) by data field name, so analyses of several runs can be grouped
+    level = {f"data.{k}": v for k, v in levels(loaded.run.record).items()}
     for cell in cells + ([] if in_grid else [base]):
         delta = "trained" if cell.trained else f"{100 * (cell.acc - base.acc):+.1f} pt"
         shown = [str(cell.options[k]) for k in keys]
@@ -115,14 +118,15 @@ def tables(loaded: Loaded, grid: Grid, cells: List[Cell], base: Cell) -> List[Ta
         rows.append([*shown, cell.budget, f"{100 * cell.acc:.2f}%", f"{cell.loss:.4f}", delta])
         records.append({**cell.options, "cost_per_query": cell.budget, "test_acc": round(cell.acc, 6),
                         "test_loss": round(cell.loss, 6), "trained": cell.trained, "examples": len(loaded.test),
-                        "run": loaded.run.name})
+                        "run": loaded.run.name, "task": loaded.cfg.task, "attn": loaded.cfg.attn,
+                        "preset": loaded.cfg.preset, "seed": loaded.cfg.seed, **level})
     trained_at = ", ".join(f"{k}={v}" for k, v in base.options.items())
     recorded = "—" if record["test_acc"] is None else f"{100 * record['test_acc']:.2f}%"
     notes = [
         f"Run {loaded.run.folder} ({loaded.cfg.task}, {loaded.cfg.attn}), trained at {trained_at}; its best weights, "
         f"unchanged, on the first {len(loaded.test)} test examples (its record: {recorded} on {record['test_examples']}).",
         f"Cost per query: the keys one query attends to at that setting ({loaded.cfg.attn}'s budget()); test loss: mean "
-        "cross-entropy on the same rows, which moves where the accuracy (whole rows right or wrong) does not.",
+        "cross-entropy on the same rows, which moves where the accuracy (each answer right or wrong) does not.",
     ]
     first = Table(f"Test accuracy with attention options changed at inference: {loaded.run.name}",
                   [*keys, "cost per query", "test acc", "test loss", "vs trained"], rows, notes=notes, records=records)

@@ -73,7 +73,8 @@ def parser() -> Any:
                             "finished (test accuracy), diverged or failed (the error and the log).")
     status.add_argument("folder", metavar="DIR", help="the sweep's --out folder")
     table = sub.add_parser("table", help="lra-table over the sweep's runs",
-                           description="Build the accuracy and efficiency tables and plots of the sweep's finished runs.")
+                           description="Build the tables and plots of the sweep's finished runs as lra-table does: "
+                                       "accuracy and efficiency, and the recall table of MQAR runs.")
     table.add_argument("folder", metavar="DIR", help="the sweep's --out folder")
     table.add_argument("--out", help="where to write them (default DIR/tables)")
     return p

@@ -12,10 +12,10 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 /* the same, at any float alignment: loads and stores of table rows */
 typedef float v8u __attribute__((vector_size(32), aligned(4)));
 
-/* Keeps x in a register. GCC otherwise folds a loaded row into every FMA that uses it as a memory
- * operand and loads it once per use: the two-row products then issue 10 loads per 8 FMAs, more than
+/* Keeps x in a register. An FMA can take a loaded row as a memory operand, and GCC folds the load
+ * into every FMA that uses the row: the two-row products would issue 10 loads per 8 FMAs, more than
  * the two vector loads a cycle the FMAs leave room for. The empty asm is opaque to the compiler, so
- * the row is loaded once. */
+ * the row is loaded once and stays in a register. */
 #if defined(__x86_64__) && defined(__AVX__)
 #define IN_REGISTER(x) __asm__("" : "+x"(x))
 #else

@@ -17,10 +17,11 @@ import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import UserError
 from ..tables.format import MISSING, Table, write_tables
+from ..tables.summary import Summary
 
 # the CSV's columns that are not options of the grid
 FIXED = ("cost_per_query", "test_acc", "test_loss", "trained", "examples", "run", "task", "attn", "preset", "seed")
@@ -49,11 +50,6 @@ def read_analyses(root: Path) -> List[Dict[str, Any]]:
     if not rows:
         raise UserError(f"{root}: no budget.csv below it; run lra-analyze budget --out {root}/<run> on each run first")
     return rows
-
-
-def mean_spread(values: Sequence[float]) -> str:
-    mean = statistics.fmean(values)
-    return f"{mean:.1f}" if len(values) < 2 else f"{mean:.1f} ± {statistics.stdev(values):.1f}"
 
 
 def group_tables(rows: List[Dict[str, Any]]) -> List[Tuple[str, Table]]:
@@ -88,13 +84,13 @@ def table_of(task: str, attn: str, preset: str, rows: List[Dict[str, Any]]) -> T
             if not found:
                 line.append(MISSING)
                 continue
-            accs = [100 * r["test_acc"] for r in found]
+            acc = Summary(values=[100 * r["test_acc"] for r in found])
             changes = [100 * (r["test_acc"] - trained[r["run"]]) for r in found if r["run"] in trained]
             change = f" ({statistics.fmean(changes):+.1f})" if changes and setting not in trained_settings else ""
-            line.append(mean_spread(accs) + change)
+            line.append(acc.text("{:.1f}") + change)
             records.append({**dict(zip(options, setting)), **dict(zip(varying, lv)), "cost_per_query": cost[setting],
-                            "seeds": len(found), "test_acc_mean": round(statistics.fmean(accs), 4),
-                            "test_acc_std": round(statistics.stdev(accs), 4) if len(accs) > 1 else None,
+                            "seeds": len(found), "test_acc_mean": round(acc.mean, 4),
+                            "test_acc_std": None if acc.std is None else round(acc.std, 4),
                             "change_vs_trained_mean": round(statistics.fmean(changes), 4) if changes else None})
         body.append(line)
     seeds = sorted({r["seed"] for r in rows})

@@ -4,6 +4,7 @@
     attn = build_attention("mita", num_heads=H, head_dim=D, max_len=N, landmarks=64, topk=64)
     out = attn(q, k, v, mask=None)   # q, k, v, out: [B, H, N, D]; mask: [B, N] bool, True = real
 """
+from . import moved
 from .base import Attention, AttentionError, AttnDims, NoConfig, Taxonomy, check_inputs
 from .registry import (
     build_attention,
@@ -15,6 +16,9 @@ from .registry import (
     origin,
     register,
 )
+
+# attentions.mita, attentions.full, ...: the backends' former root paths resolve to attentions.backends
+moved.install()
 
 __all__ = [
     "Attention",

@@ -82,6 +82,9 @@ class Attention(nn.Module):
     Config: ClassVar[type] = NoConfig
     # capability: the backend honours a [B, N] padding mask exactly
     supports_mask: ClassVar[bool] = True
+    # the names the mechanism carries in the published LRA tables (../shared/reference, e.g.
+    # "Performer", "Favor-256"), so a table can set each published row beside the suite's own number
+    published_as: ClassVar[Tuple[str, ...]] = ()
     # cost of one forward in the sequence length, for the backend table of docs/backends.md, e.g. "O(N^2 D)"
     cost: ClassVar[str] = ""
     taxonomy: ClassVar[Taxonomy]

@@ -5,8 +5,9 @@
 
     attn = build_attention("mine", num_heads=2, head_dim=32, max_len=2000, some_param=3)
 
-Backends come from this package (the modules of ``BUILTINS``: a new built-in is one file here, its
-name in that list, and its YAML values for LRA runs in lra/configs/attn/), from a user's file
+Backends come from this package (the modules of ``BUILTINS`` in ``attentions/backends/``: a new
+built-in is one file there, its name in that list, and its YAML values for LRA runs in
+lra/configs/attn/), from a user's file
 (``load_attention_module``) or from installed packages that expose them through the entry-point
 group ``lra.attentions``. Listings put the built-ins first, in their ``order``.
 """
@@ -22,7 +23,7 @@ from typing import Any, Callable, Dict, List, Type
 
 from .base import Attention, AttentionError, AttnDims
 
-# the modules of this package that register the built-in backends, imported on first use
+# the modules of attentions/backends/ that register the built-in backends, imported on first use
 BUILTINS = ("full", "linear", "linformer", "moba", "topk", "agent", "mita")
 
 _REGISTRY: Dict[str, Type[Attention]] = {}
@@ -59,7 +60,7 @@ def _load_builtins() -> None:
         return
     _builtins_loaded = True
     for module in BUILTINS:
-        importlib.import_module(f"{__package__}.{module}")
+        importlib.import_module(f"{__package__}.backends.{module}")
 
 
 def _builtin(cls: Type[Attention]) -> bool:

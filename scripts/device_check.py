@@ -199,7 +199,7 @@ def check_backend(name: str, device: torch.device, n: int, seed: int, kernel: Op
 def sdpa_flash_check(device: torch.device, n: int) -> Dict[str, object]:
     """The benchmarks' FlashAttention baseline (full attention, flash=True: flash-attn, else SDPA
     restricted to its flash kernel) in bf16 vs float64 math."""
-    from attentions.full import reference
+    from attentions.backends.full import reference
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, n, 32, generator=gen) for _ in range(3))
@@ -215,7 +215,7 @@ def flash_varlen_check(device: torch.device, n: int) -> Dict[str, object]:
     """Full attention's flash-attn varlen path (a padded batch unpadded into one packed sequence, as
     the trainer runs ``full`` on a GPU when flash-attn is installed) in bf16 vs float64 masked
     math: outputs and q/k/v gradients of every real row. Skipped, with why, where it cannot run."""
-    from attentions import full
+    from attentions.backends import full
 
     if full.flash_attn_varlen_func is None:
         return {"status": "SKIP", "why": "flash-attn is not installed (pip install flash-attn)"}

@@ -76,24 +76,45 @@ def test_every_built_in_has_its_lra_values() -> None:
 
 
 def test_a_new_built_in_is_one_file_and_one_line(tmp_path: Path) -> None:
-    """Drop a backend file into (a copy of) attentions/ and name it in registry.BUILTINS: it is listed,
-    in its order, as a built-in; a module of the package left out of the list is not imported."""
+    """Drop a backend file into (a copy of) attentions/backends/ and name it in registry.BUILTINS: it
+    is listed, in its order, as a built-in; a module of the folder left out of the list is not imported."""
     package = tmp_path / "attentions"
     shutil.copytree(Path(attentions.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__"))
-    (package / "zebra.py").write_text(
-        "from .base import Attention, Taxonomy\nfrom .registry import register\n\n\n"
+    (package / "backends" / "zebra.py").write_text(
+        "from ..base import Attention, Taxonomy\nfrom ..registry import register\n\n\n"
         "@register(\"zebra\")\nclass Zebra(Attention):\n    paper = \"nobody 2026\"\n    order = 3.5\n"
         "    taxonomy = Taxonomy(\"none\", \"1\", \"raw KV\", \"none\", \"dense\")\n\n"
         "    def forward(self, q, k, v, mask=None):\n        return v\n"
     )
-    (package / "yak.py").write_text((package / "zebra.py").read_text().replace("zebra", "yak"))
+    (package / "backends" / "yak.py").write_text((package / "backends" / "zebra.py").read_text().replace("zebra", "yak"))
     registry = package / "registry.py"
     text = registry.read_text()
-    assert '"agent", "mita")' in text
-    registry.write_text(text.replace('"agent", "mita")', '"agent", "mita", "zebra")'))
+    assert "BUILTINS = (" in text
+    registry.write_text(text.replace("BUILTINS = (", 'BUILTINS = ("zebra", ', 1))
     code = "from attentions import list_attentions, origin; print(' '.join(list_attentions()), origin('zebra'))"
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, check=True)
     names = out.stdout.split()
     assert names[-1] == "built-in"
-    assert names[:-1] == ["full", "linear", "linformer", "moba", "zebra", "topk", "agent", "mita"]
+    before = [n for n in BUILT_INS if get_attention(n).order < 3.5]
+    after = [n for n in BUILT_INS if get_attention(n).order > 3.5]
+    assert names[:-1] == before + ["zebra"] + after
+
+
+@pytest.mark.parametrize("name", ["full", "linear", "linformer", "moba", "topk", "agent", "mita"])
+def test_a_backends_root_module_path_imports_its_module_with_a_warning(name):
+    import importlib
+    import sys
+
+    sys.modules.pop(f"attentions.{name}", None)
+    with pytest.warns(DeprecationWarning, match=f"attentions.backends.{name}"):
+        old = importlib.import_module(f"attentions.{name}")
+    assert old is importlib.import_module(f"attentions.backends.{name}")
+
+
+def test_every_builtin_names_its_published_rows_or_none():
+    from attentions.backends import full, mita
+
+    assert "Transformer" in full.FullAttention.published_as and mita.MiTAAttention.published_as == ("MiTA",)
+    for name in BUILT_INS:
+        assert isinstance(get_attention(name).published_as, tuple)

@@ -34,7 +34,7 @@ def test_every_backend_passes_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixtu
         assert backend["bf16"]["out"]["median_row_err"] > 0
     assert "| mita[torch] |" in (tmp_path / "check.md").read_text()
     # flash-attn's varlen path runs on CUDA only: the record and the table say why it did not run
-    from attentions import full
+    from attentions.backends import full
 
     why = "flash-attn runs on CUDA only" if full.flash_attn_varlen_func is not None else \
         "flash-attn is not installed (pip install flash-attn)"

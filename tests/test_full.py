@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from attentions import build_attention
-from attentions.full import flash_attn_varlen_func, reference
+from attentions.backends.full import flash_attn_varlen_func, reference
 from conftest import lengths_mask, rel_err
 
 CASES = {

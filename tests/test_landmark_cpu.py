@@ -122,7 +122,7 @@ def test_landmark_kernels_give_the_same_bits_with_one_or_two_threads() -> None:
 @needs_kernel
 def test_mita_selects_the_same_keys_in_selected_keys_and_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     # selected_keys (the analyses) and the forward select through one function on one kernel
-    import attentions.mita as mita
+    import attentions.backends.mita as mita
 
     attn = build_attention("mita", num_heads=2, head_dim=16, max_len=300, landmarks=8, topk=8)
     gen = torch.Generator().manual_seed(0)

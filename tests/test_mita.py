@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from attentions import AttentionError, build_attention
-from attentions import mita
+from attentions.backends import mita
 from attentions.ops import tuning
 from attentions.ops.grouped import reference as grouped
 from attentions.ops.tuning import GPU_CHUNK_SCALE, chunk_rows
 from attentions.check import Battery, Sizes
-from attentions.mita import reference
+from attentions.backends.mita import reference
 from conftest import lengths_mask, rel_err
 
 # (B, H, N, D, real lengths or None, Config overrides)

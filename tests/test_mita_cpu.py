@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import attentions.mita as mita
+import attentions.backends.mita as mita
 from attentions import build_attention
 from attentions.ops import tuning
 from attentions.ops.landmark import cpu as landmark_cpu

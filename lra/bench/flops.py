@@ -3,7 +3,7 @@
 A multiply-add counts 2 FLOPs. Per head, for sequence length N, head dim D:
 
 attention  each backend's own count (``Attention.flops``: full 4 N^2 D forward, 3x that to train;
-           MiTA's landmark, shared and routed matmuls in attentions/mita.py); backends that do
+           MiTA's landmark, shared and routed matmuls in attentions/backends/mita.py); backends that do
            not count theirs get no FLOP rate.
 model      per token and layer: QKV 6 C^2, output projection 2 C^2, FFN 4 C F, plus the attention;
        train = 3x forward (the optimizer step is negligible).

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.nn.functional import scaled_dot_product_attention
 
-from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
-from .registry import register
+from ..base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
+from ..registry import register
 
 
 def init_projection(k: int, max_len: int) -> nn.Parameter:
@@ -38,6 +38,7 @@ class LinformerConfig:
 class LinformerAttention(Attention):
     order = 2
     paper = "Wang et al. 2020, Linformer: Self-Attention with Linear Complexity"
+    published_as = ("Linformer", "Linformer-seq/4")
     Config = LinformerConfig
     cost = "O(N k D)"
     taxonomy = Taxonomy(

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 from torch.nn.functional import scaled_dot_product_attention
 
-from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
-from .masking import pool_real
-from .registry import register
+from ..base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
+from ..masking import pool_real
+from ..registry import register
 
 
 @dataclass

@@ -17,8 +17,8 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .base import Attention, AttentionError, Taxonomy, check_inputs
-from .registry import register
+from ..base import Attention, AttentionError, Taxonomy, check_inputs
+from ..registry import register
 
 try:  # optional: pip install lra-suite[gpu]
     from flash_attn import flash_attn_func, flash_attn_varlen_func
@@ -62,6 +62,7 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 class FullAttention(Attention):
     order = 0
     paper = "Vaswani et al. 2017, Attention Is All You Need"
+    published_as = ("Transformer", "Standard", "Self-attention", "Full attention (FlashAttention)")
     Config = FullConfig
     cost = "O(N^2 D)"
     independent_queries = True

@@ -19,12 +19,12 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
-from .masking import real_key_mask
-from .ops import block_gate, tuning
-from .ops.grouped import check_kernel, kernel_name, merge, pick_grouped
-from .ops.grouped.cpu import grouped_attention_cpu, merge_cpu
-from .registry import register
+from ..base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
+from ..masking import real_key_mask
+from ..ops import block_gate, tuning
+from ..ops.grouped import check_kernel, kernel_name, merge, pick_grouped
+from ..ops.grouped.cpu import grouped_attention_cpu, merge_cpu
+from ..registry import register
 
 
 @dataclass

@@ -23,17 +23,17 @@ from typing import Optional, Tuple
 
 import torch
 
-from .ops import landmark
-from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
-from .masking import pool_real, real_key_mask
-from .ops import tuning
-from .ops.grouped import check_kernel, gather_rows, kernel_name, merge, pick_grouped
-from .ops.grouped.cpu import grouped_attention_cpu, merge_cpu
-from .ops.landmark import landmark_scores
-from .ops.landmark.cpu import landmark_pass, pool_queries, route_best
-from .ops.landmark.mita_layer_cpu import MiTACPU
-from .ops.topk_selection import topk_unsorted
-from .registry import register
+from ..ops import landmark
+from ..base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
+from ..masking import pool_real, real_key_mask
+from ..ops import tuning
+from ..ops.grouped import check_kernel, gather_rows, kernel_name, merge, pick_grouped
+from ..ops.grouped.cpu import grouped_attention_cpu, merge_cpu
+from ..ops.landmark import landmark_scores
+from ..ops.landmark.cpu import landmark_pass, pool_queries, route_best
+from ..ops.landmark.mita_layer_cpu import MiTACPU
+from ..ops.topk_selection import topk_unsorted
+from ..registry import register
 
 # the default form on the CPU kernels as one operator (ops/landmark/mita_layer_cpu.py); off: the
 # composed path of the same kernels (the tests compare the two)
@@ -169,6 +169,7 @@ def route(
 class MiTAAttention(Attention):
     order = 6
     paper = "Wen et al. 2026, Mixture-of-Top-k Attention: Efficient Attention via Scalable Fast Weights"
+    published_as = ("MiTA",)
     Config = MiTAConfig
     cost = "O((m + k) N D)"
     taxonomy = Taxonomy(

@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
-from .registry import register
+from ..base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
+from ..registry import register
 
 
 def feature_map(x: torch.Tensor) -> torch.Tensor:
@@ -34,6 +34,7 @@ class LinearConfig:
 class LinearAttention(Attention):
     order = 1
     paper = "Katharopoulos et al. 2020, Transformers are RNNs: Fast Autoregressive Transformers with Linear Attention"
+    published_as = ("Linear Transformer",)
     Config = LinearConfig
     cost = "O(N D^2)"
     taxonomy = Taxonomy(

@@ -17,11 +17,11 @@ from typing import Optional
 
 import torch
 
-from .base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
-from .ops import row_products
-from .ops.row_products import cpu as row_kernels
-from .ops.topk_selection import topk_unsorted
-from .registry import register
+from ..base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
+from ..ops import row_products
+from ..ops.row_products import cpu as row_kernels
+from ..ops.topk_selection import topk_unsorted
+from ..registry import register
 
 
 @dataclass

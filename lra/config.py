@@ -29,9 +29,11 @@ from attentions.registry import coerce
 
 from .errors import UserError
 from .files import package_data
-from .tracking import check_tracker
 
 CONFIG_DIR = package_data("configs")
+
+# train.tracker: where the scalars of metrics.jsonl also go (lra/run/trackers.py)
+TRACKERS = ("none", "tensorboard", "wandb")
 
 
 @dataclass
@@ -44,6 +46,10 @@ class ModelConfig:
     dropout: float = 0.1
     # "mean" (over real tokens only) or "cls" (a learned token prepended to the sequence)
     pooling: str = "mean"
+    # data-dependent output gate, for every backend: the input projection makes a fourth view g
+    # beside q, k, v, and the attention output is multiplied by SiLU(g) before the output projection
+    # (the MiTA paper's gated configuration, Wen et al. 2026; off: the plain encoder)
+    gate: bool = False
 
 
 @dataclass
@@ -72,7 +78,7 @@ class TrainConfig:
     precision: str = "auto"
     # torch CPU threads (0 = torch's default)
     threads: int = 0
-    # where the scalars of metrics.jsonl also go: none, tensorboard or wandb (lra/tracking.py); not
+    # where the scalars of metrics.jsonl also go: none, tensorboard or wandb (lra/run/trackers.py); not
     # part of a run's identity (a run resumes under another tracker)
     tracker: str = "none"
 
@@ -381,3 +387,17 @@ def validate(cfg: RunConfig) -> None:
         build_config(cfg.attn, cfg.attn_options)
     except AttentionError as err:
         raise UserError(str(err)) from err
+
+
+def check_tracker(kind: str) -> None:
+    """A tracker whose package is missing is refused before the run starts."""
+    if kind not in TRACKERS:
+        raise UserError(f"train.tracker must be one of {', '.join(TRACKERS)}, got {kind!r}")
+    module = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(kind)
+    if module is None:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise UserError(f"train.tracker={kind} needs the {module} package: pip install {module} "
+                        "(or pip install -e \".[track]\"), or use train.tracker=none")

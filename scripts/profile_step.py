@@ -35,7 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lra.allocator import keep_freed_memory  # noqa: E402
+from lra.machine.allocator import keep_freed_memory  # noqa: E402
 from lra.bench.cli import parse, settings_from  # noqa: E402
 from lra.bench.measure import timed  # noqa: E402
 from lra.bench.point import DTYPES  # noqa: E402

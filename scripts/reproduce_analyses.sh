@@ -73,7 +73,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from lra.tables.format import MISSING, Table, write_tables
+from lra.format import MISSING, Table, write_tables
 
 runs, swapin, steps, preset, seeds = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:]
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 # the installed (or PYTHONPATH's) lra first, so another checkout can be timed; this one otherwise
 if importlib.util.find_spec("lra") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lra.allocator import keep_all_freed_memory, setting_now  # noqa: E402
+from lra.machine.allocator import keep_all_freed_memory, setting_now  # noqa: E402
 from lra.bench.estimate import PassThrough  # noqa: E402
 from lra.config import ModelConfig  # noqa: E402
 from lra.model import LRAModel  # noqa: E402

@@ -23,7 +23,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import lra.train  # noqa: E402
+import lra.run.loop  # noqa: E402
 from lra.cli import call  # noqa: E402
 from lra.config import DataConfig  # noqa: E402
 
@@ -217,7 +217,7 @@ def killed_at_step(monkeypatch: pytest.MonkeyPatch, step: int) -> Iterator[pytes
     """A run started inside dies (raises Killed) when it reaches optimizer step ``step`` (0-based),
     as a kill would: its checkpoints so far stay, nothing after them is written. Yields the patch
     (for a chdir); the block must end in that death."""
-    lr_at = lra.train.lr_at
+    lr_at = lra.run.loop.lr_at
 
     def dies(at: int, cfg: object) -> float:
         if at == step:
@@ -225,6 +225,6 @@ def killed_at_step(monkeypatch: pytest.MonkeyPatch, step: int) -> Iterator[pytes
         return lr_at(at, cfg)
 
     with monkeypatch.context() as patch:
-        patch.setattr(lra.train, "lr_at", dies)
+        patch.setattr(lra.run.loop, "lr_at", dies)
         with pytest.raises(Killed):
             yield patch

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List
 
-from lra.record import RECORD_KEYS, validate_record
+from lra.run.record import RECORD_KEYS, validate_record
 from lra.tables import cli as tables
 
 

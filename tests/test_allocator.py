@@ -1,4 +1,4 @@
-"""The allocator settings (lra/allocator.py) and the benchmark's two phases (memory in the warm-up
+"""The allocator settings (lra/machine/allocator.py) and the benchmark's two phases (memory in the warm-up
 with big blocks mapped per use, timed runs with every freed block kept: lra/bench/measure.py)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Callable, Dict
 import pytest
 import torch
 
-from lra import allocator
+from lra.machine import allocator
 from lra.bench.measure import PeakMemory, measure
 
 GLIBC = sys.platform.startswith("linux") and allocator._libc() is not None
@@ -21,7 +21,7 @@ needs_glibc = pytest.mark.skipif(not GLIBC, reason="glibc's mallopt (Linux)")
 # after a dozen such blocks
 FAULTS = """
 import resource, sys, torch
-from lra import allocator
+from lra.machine import allocator
 setting = sys.argv[1]
 if setting == "all":
     print(allocator.keep_all_freed_memory())
@@ -59,13 +59,13 @@ def test_keeping_every_block_stops_the_page_faults_and_returning_restores_them()
 def test_malloc_tuning_0_turns_every_setting_off_and_all_keeps_blocks_for_good() -> None:
     took, mapped = faults("all", {"LRA_MALLOC_TUNING": "0"})
     assert not took and mapped > 20_000
-    kept_for_good = "from lra import allocator; allocator.keep_freed_memory(); " \
+    kept_for_good = "from lra.machine import allocator; allocator.keep_freed_memory(); " \
                     "print(allocator.return_freed_memory(), allocator.setting_now())"
     assert subprocess.run([sys.executable, "-c", kept_for_good], capture_output=True, text=True, check=True,
                           env={**os.environ, "LRA_MALLOC_TUNING": "all"}).stdout.split("\n")[0] == \
         "False every freed block kept"
     assert "every freed block" in subprocess.run(
-        [sys.executable, "-c", "from lra import allocator; print(allocator.describe())"], capture_output=True,
+        [sys.executable, "-c", "from lra.machine import allocator; print(allocator.describe())"], capture_output=True,
         text=True, env={**os.environ, "LRA_MALLOC_TUNING": "all"}, check=True).stdout
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from lra.augment import augment, check_augment, dihedral_permutations
+from lra.tasks.augment import augment, check_augment, dihedral_permutations
 from lra.errors import UserError
 from lra.tasks import get_task
 

@@ -10,7 +10,7 @@ import pytest
 
 from lra.cli.check_attn import main
 from lra.cli import guarded
-from lra.record import validate_record
+from lra.run.record import validate_record
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "my_attention.py"
 

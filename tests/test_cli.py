@@ -18,7 +18,7 @@ from attentions import list_attentions
 from conftest import console_scripts, copy_listops, smoke_listops
 from lra.cli import data as lra_data, guarded, run as lra_run
 from lra.machine import boot_id
-from lra.record import validate_record
+from lra.run.record import validate_record
 
 
 def test_smoke_run_writes_a_valid_record(tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch) -> None:

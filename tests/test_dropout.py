@@ -1,4 +1,4 @@
-"""The model's dropout (lra/dropout.py): on the CPU a C kernel whose mask is a hash of (seed, index).
+"""The model's dropout (lra/model/dropout.py): on the CPU a C kernel whose mask is a hash of (seed, index).
 Keep rate and scaling as torch's, no pattern between neighbours or calls, the same mask for the
 gradient, repeatable under torch.manual_seed and for any thread count, and torch's own dropout
 wherever the kernel does not apply."""
@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from attentions.ops import native
-from lra import dropout as lra_dropout
+from lra.model import dropout as lra_dropout
 from lra.config import ModelConfig
-from lra.dropout import Dropout, dropout
+from lra.model.dropout import Dropout, dropout
 from lra.model import LRAModel
 
 needs_kernel = pytest.mark.skipif(not lra_dropout.fits(torch.zeros(1), 0.5),

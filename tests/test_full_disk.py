@@ -19,8 +19,8 @@ from typing import Callable, Dict, Iterator, List
 import pytest
 import torch
 
-import lra.checkpoint
-import lra.train
+import lra.run.checkpoint
+import lra.run.train
 from lra.cli import run as lra_run
 from conftest import copy_listops
 from test_kill_anywhere import TINY, outcome
@@ -116,10 +116,10 @@ def fills_before(disk: Path, module: object, name: str, when: Callable[[tuple], 
 # where the disk fills: (the module function wrapped, fill after it or before it, on which call, the
 # file that fails, the checkpoint step that must survive (None: no checkpoint yet))
 MOMENTS = {
-    "before-the-first-metrics-line": (lra.checkpoint, "open_metrics", fills_after, lambda a: True, "metrics.jsonl", None),
-    "after-the-first-checkpoint": (lra.checkpoint, "save_checkpoint", fills_after,
+    "before-the-first-metrics-line": (lra.run.checkpoint, "open_metrics", fills_after, lambda a: True, "metrics.jsonl", None),
+    "after-the-first-checkpoint": (lra.run.checkpoint, "save_checkpoint", fills_after,
                                    lambda a: a[0].name == "checkpoint.pt", "checkpoint.pt", 4),
-    "before-the-record": (lra.train, "write_json_atomic", fills_before, lambda a: a[0].name == "record.json", "record.json", 16),
+    "before-the-record": (lra.run.train, "write_json_atomic", fills_before, lambda a: a[0].name == "record.json", "record.json", 16),
 }
 
 

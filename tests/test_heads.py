@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lra.heads import split_heads
+from lra.model.heads import split_heads
 
 
 def views(qkv: torch.Tensor, heads: int):

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from conftest import TINY_LISTOPS, TINY_MITA, killed_at_step
-from lra.checkpoint import run_name, same_run
+from lra.run.folder import run_name, same_run
 from lra.cli import call, run as lra_run
 from lra.config import resolve
-from lra.record import validate_record
+from lra.run.record import validate_record
 from lra.tables.records import load_records
 
 FULL = "listops_full_smoke_seed0"

@@ -21,8 +21,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 import pytest
 import torch
 
-import lra.checkpoint
-import lra.train
+import lra.run.checkpoint
+import lra.run.folder
+import lra.run.loop
+import lra.run.train
 from conftest import Killed
 from lra.cli import run as lra_run
 
@@ -57,9 +59,9 @@ class Killer:
             raise Killed(f"killed {when} {what}")
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        lr_at, evaluate = lra.train.lr_at, lra.train.evaluate
-        save, append = lra.checkpoint.save_checkpoint, lra.checkpoint.append_metric
-        write_json = lra.train.write_json_atomic
+        lr_at, evaluate = lra.run.loop.lr_at, lra.run.loop.evaluate
+        save, append = lra.run.checkpoint.save_checkpoint, lra.run.folder.append_metric
+        write_json = lra.run.train.write_json_atomic
 
         def step(step: int, cfg: object) -> float:
             self.moment(f"step {step + 1}", "before")
@@ -87,12 +89,14 @@ class Killer:
             append(log, row)
             self.moment("metrics line", "after")
 
-        monkeypatch.setattr(lra.train, "lr_at", step)
-        monkeypatch.setattr(lra.train, "evaluate", evaluation)
-        monkeypatch.setattr(lra.checkpoint, "save_checkpoint", atomic(save))
-        monkeypatch.setattr(lra.checkpoint, "write_json_atomic", atomic(lra.checkpoint.write_json_atomic))
-        monkeypatch.setattr(lra.train, "write_json_atomic", atomic(write_json))
-        monkeypatch.setattr(lra.checkpoint, "append_metric", line)
+        monkeypatch.setattr(lra.run.loop, "lr_at", step)
+        # evaluations: the validations of the loop and the final test
+        monkeypatch.setattr(lra.run.loop, "evaluate", evaluation)
+        monkeypatch.setattr(lra.run.train, "evaluate", evaluation)
+        monkeypatch.setattr(lra.run.checkpoint, "save_checkpoint", atomic(save))
+        monkeypatch.setattr(lra.run.folder, "write_json_atomic", atomic(lra.run.folder.write_json_atomic))
+        monkeypatch.setattr(lra.run.train, "write_json_atomic", atomic(write_json))
+        monkeypatch.setattr(lra.run.folder, "append_metric", line)
 
 
 def run_in(folder: Path, monkeypatch: pytest.MonkeyPatch, killer: Killer, extra: Tuple[str, ...] = ()) -> bool:

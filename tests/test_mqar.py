@@ -14,8 +14,8 @@ from lra.config import DataConfig, resolve
 from lra.tasks import get_task
 from lra.tasks.base import IGNORE
 from lra.tasks.mqar import Shape, example, gap_weights, shape_of, tsv_lines
-from lra.train import evaluate, per_target
-from lra.distributed import Dist
+from lra.run.loop import evaluate, per_target
+from lra.run.distributed import Dist
 
 SHAPE = Shape(length=64, pairs=8, vocab=64)
 
@@ -167,7 +167,7 @@ def test_cpu_protocol_keeps_every_budget_well_below_n() -> None:
 
 
 def test_run_folders_name_the_level() -> None:
-    from lra.checkpoint import run_name
+    from lra.run.folder import run_name
     from lra.config import resolve
 
     names = {run_name(resolve("mqar", "full", "cpu", sets=[f"data.pairs={p}"])) for p in (8, 16, 32)}

@@ -14,7 +14,7 @@ from attentions.ops.grouped.reference import expert_runs
 from attentions.ops.landmark import cpu as landmark
 from attentions.ops.row_products import cpu as rows
 from attentions.ops.topk_selection import cpu as selection
-from lra import dropout
+from lra.model import dropout
 
 needs_kernels = pytest.mark.skipif(not grouped.takes(torch.zeros(0)), reason="the C kernels do not build here")
 

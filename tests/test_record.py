@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lra.record import RECORD_KEYS, SCHEMA_VERSION, Record, validate_record
+from lra.run.record import RECORD_KEYS, SCHEMA_VERSION, Record, validate_record
 
 from table_records import make_record
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import lra.machine
-import lra.train
-from lra.checkpoint import TrainState, checkpoint_problem
+import lra.run.train
+from lra.run.checkpoint import TrainState, checkpoint_problem
 from lra.cli import call, run as lra_run
 
 # a tiny model on the smoke preset's ListOps set (conftest.listops_data), so a run takes a second
@@ -104,7 +104,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_flag_continues(workdir: Path, lis
     assert child.returncode == 130 and "continue with the same command" in err
     assert list(out.glob("*/checkpoint.pt")) and not list(out.glob("*/record.json"))
     # resumed on other code: the record names both (the first process ran this checkout's)
-    monkeypatch.setattr(lra.train, "git_commit", lambda: "resumed-on")
+    monkeypatch.setattr(lra.run.train, "git_commit", lambda: "resumed-on")
     proc = run_in(*args, "--resume")
     assert proc.code == 0, proc.err
     resumed = record(out)
@@ -119,7 +119,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_flag_continues(workdir: Path, lis
 def test_the_record_names_the_code_the_run_started_from(workdir: Path, run_in: Callable,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     # a checkout during the run changes the tree, not the code that runs: the record names the start's
-    monkeypatch.setattr(lra.train, "git_commit", lambda: "started-on")
+    monkeypatch.setattr(lra.run.train, "git_commit", lambda: "started-on")
     monkeypatch.setattr(lra.machine, "git_commit", lambda: "checked-out-later")
     proc = run_in(*TINY, "--out", workdir / "commit")
     assert proc.code == 0, proc.err

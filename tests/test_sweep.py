@@ -12,7 +12,7 @@ from typing import Callable, List
 
 import pytest
 
-from lra.checkpoint import run_name
+from lra.run.folder import run_name
 from lra.config import resolve
 from lra.sweep import spec as specs
 from sweep_helpers import outcomes, sweep_flags, wait_until

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lra.record import validate_record
+from lra.run.record import validate_record
 from lra.tables import cli as tables
 from table_records import RECORDS, make_record, row, run_table, write_runs
 
@@ -44,6 +44,7 @@ def test_efficiency_table_carries_each_runs_load_average(tmp_path: Path) -> None
     mita = [make_record("listops", "mita", seed, 0.3, train_time_s=50.0) for seed in (0, 1)]
     for record, rate in zip(loaded + mita, (62.0, 60.0, 58.0, 120.0)):
         record["matmul_gflops"] = rate
+
     def efficiency(name: str) -> str:
         write_runs(tmp_path / name, loaded + mita)
         assert tables.main(["--runs", str(tmp_path / name), "--out", str(tmp_path / f"{name}-tables"), "--no-plots"]) == 0

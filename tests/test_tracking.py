@@ -100,7 +100,7 @@ def test_offline_wandb_run_holds_the_metrics(cli: Callable, tmp_path: Path, list
 
 
 def test_the_tracker_is_not_part_of_a_runs_identity(cli: Callable, tmp_path: Path, listops_data: Path) -> None:
-    from lra.checkpoint import same_run
+    from lra.run.folder import same_run
     from lra.config import resolve
 
     plain = resolve("listops", "full", "smoke")

@@ -1,6 +1,6 @@
-"""Compiled C kernels for the CPU: built from the packages' .c files (attentions/csrc/, lra's dropout)
-with the system C compiler on first use, cached per source, compiler flags and CPU, and loaded with
-ctypes. The operators of ``attentions.ops`` call them inside their torch.library implementations.
+"""Compiled C kernels for the CPU: built from the .c files of attentions/csrc/ (the attention
+operators and the LRA model's dropout) with the system C compiler on first use, cached per source,
+compiler flags and CPU, and loaded with ctypes. The operators of ``attentions.ops`` call them inside their torch.library implementations.
 
 No Python build step and no torch headers: ``cc -O3 -march=native -fopenmp -shared`` takes about a second.
 A machine without a C compiler (or where the build fails) simply has no native kernels:
@@ -76,12 +76,11 @@ def _build(source: Path, cc: str, target: Path) -> str:
     return "; ".join(errors)
 
 
-def load(name: str, folder: Optional[Path] = None) -> Optional[ctypes.CDLL]:
-    """The library built from ``<name>.c`` in ``folder`` (default SOURCES, beside this file), or None
-    when it cannot be built here. Names are one namespace across folders."""
+def load(name: str) -> Optional[ctypes.CDLL]:
+    """The library built from ``<name>.c`` in SOURCES, or None when it cannot be built here."""
     if name in _loaded:
         return _loaded[name]
-    folder = SOURCES if folder is None else folder
+    folder = SOURCES
     source = folder / f"{name}.c"
     cc = compiler()
     lib = None
@@ -110,14 +109,13 @@ def why_not(name: str) -> str:
 
 
 @torch.compiler.assume_constant_result
-def built(name: str, folder: Optional[Path] = None) -> bool:
+def built(name: str) -> bool:
     """Whether the library of ``<name>.c`` builds and loads here (built on the first call; a constant of
     the process, so torch.compile evaluates it once instead of tracing the build)."""
-    return load(name, folder) is not None
+    return load(name) is not None
 
 
-def refusals(x: torch.Tensor, name: str, dtypes: Sequence[torch.dtype] = (torch.float32,),
-             folder: Optional[Path] = None) -> List[str]:
+def refusals(x: torch.Tensor, name: str, dtypes: Sequence[torch.dtype] = (torch.float32,)) -> List[str]:
     """Why the C kernel ``name`` does not take tensors like ``x``, one reason a line (as xformers'
     ``not_supported_reasons``); [] when it does. The device and dtype are checked first, so a GPU
     run never builds the kernel."""
@@ -127,6 +125,6 @@ def refusals(x: torch.Tensor, name: str, dtypes: Sequence[torch.dtype] = (torch.
     if x.dtype not in dtypes:
         reasons.append(f"{name} takes {', '.join(str(d).replace('torch.', '') for d in dtypes)}, "
                        f"not {str(x.dtype).replace('torch.', '')}")
-    if not reasons and not built(name, folder):
+    if not reasons and not built(name):
         reasons.append(why_not(name))
     return reasons

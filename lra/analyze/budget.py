@@ -18,11 +18,11 @@ from tqdm import tqdm
 from attentions import AttentionError, build_config
 
 from ..config import parse_set
-from ..distributed import Dist
+from ..run.distributed import Dist
 from ..errors import UserError
-from ..tables.format import Table
+from ..format import Table
 from ..tables.records import levels
-from ..train import evaluate
+from ..run.loop import evaluate
 from .loaded import Loaded, parameter_change
 
 EXAMPLE = "attn.landmarks=16,32,64,128 attn.topk=16,32,64,128"

@@ -20,8 +20,8 @@ from ..cli import Parser, console
 from ..config import MAX_BATCH, MAX_SIZE
 from ..errors import UserError
 from ..files import check_folder_arg
-from ..finished import read_finished
-from ..tables.format import markdown, write_tables
+from ..run.finished import read_finished
+from ..format import markdown, write_tables
 
 # single examples drawn by `tokens` (a figure each)
 MAX_SHOW = 1_000

@@ -12,11 +12,11 @@ import torch
 
 from ..config import RunConfig
 from ..errors import UserError
-from ..finished import FinishedRun, read_finished
+from ..run.finished import FinishedRun, read_finished
 from ..model import LRAModel
 from ..tasks import Split, TaskSpec, get_task
 from ..tasks.base import quiet_bars
-from ..train_setup import pick_device, to_device
+from ..run.setup import pick_device, to_device
 
 
 @dataclass

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import UserError
-from ..tables.format import MISSING, Table, write_tables
+from ..format import MISSING, Table, write_tables
 from ..tables.summary import Summary
 
 # the CSV's columns that are not options of the grid

@@ -21,7 +21,7 @@ import torch
 from attentions import get_attention, list_attentions
 
 from ..errors import UserError
-from ..tables.format import Table
+from ..format import Table
 from ..tasks.listops import VOCAB
 from .loaded import Loaded, batches
 

@@ -24,7 +24,7 @@ import yaml
 
 from attentions import build_attention, list_attentions
 
-from ..allocator import setting as allocator_setting
+from ..machine.allocator import setting as allocator_setting
 from ..config import MAX_BATCH, MAX_LAYERS, MAX_PROCESSES, MAX_WIDTH
 from ..machine import meminfo_gb
 from .flops import efficiency

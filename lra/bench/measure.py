@@ -6,7 +6,7 @@ mode, or the point is over budget). Memory: ``max_memory_allocated`` on a GPU; o
 resident set (VmHWM) of the child minus its resident set before the point was built (the baseline:
 the interpreter and torch), both recorded.
 
-On the CPU the two are measured under different allocator settings (lra/allocator.py): the warm-up
+On the CPU the two are measured under different allocator settings (lra/machine/allocator.py): the warm-up
 runs with big blocks mapped per use, so the resident set follows what the tensors need, and its
 peak is the point's memory; the timed runs keep every freed block on the heap (no page faults,
 which at batch 32 and N = 4K took half of a step's time), after one more untimed run of each mode
@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .. import allocator
+from ..machine import allocator
 
 
 class OverBudget(Exception):

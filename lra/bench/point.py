@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from ..allocator import keep_freed_memory
+from ..machine.allocator import keep_freed_memory
 from ..files import write_atomic
 from .estimate import PassThrough, add_stats, scale_stats, slice_fn
 from .measure import OverBudget, PeakMemory, cap_address_space, is_oom, measure, timed

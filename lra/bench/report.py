@@ -11,7 +11,7 @@ import math
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..machine import describe
-from ..tables.format import fmt_count
+from ..format import fmt_count
 from .flops import efficiency
 
 TIMED = ("ok", "estimated")

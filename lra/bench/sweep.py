@@ -27,8 +27,7 @@ from . import point as bench_point
 from ..files import write_atomic
 from ..machine import hardware, load_average, versions
 from .report import fmt_length
-from ..record import now
-
+from ..run.record import now
 
 
 @dataclass

@@ -52,7 +52,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         load_attention_module(path)
     from ..config import resolve
     from ..tasks import get_task
-    from ..train import Interrupted, train
+    from ..run.loop import Interrupted
+    from ..run.train import train
 
     get_task(args.task)
     check_folder_arg(args.out, "--out")

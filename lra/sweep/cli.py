@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ..errors import UserError
-from ..lock import FolderLock
+from ..files import FolderLock
 from . import spec as specs
 from .folder import SweepFolder
 

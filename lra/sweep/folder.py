@@ -2,7 +2,7 @@
 them ``sweep/`` with the sweep's own files::
 
     <out>/
-      <task>_<attn>_<preset>_seed<seed>[-N]/   lra-run's run folders (lra/checkpoint.py)
+      <task>_<attn>_<preset>_seed<seed>[-N]/   lra-run's run folders (lra/run/folder.py)
       sweep/
         spec.yaml        the spec (lra/sweep/spec.py): re-running the sweep must give the same one
         runs.json        the expanded run list: key, label and lra-run flags of each run
@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from ..checkpoint import run_name, same_run
+from ..run.folder import run_name, same_run
 from ..config import RunConfig
 from ..errors import UserError
 from ..files import write_atomic, write_json_atomic

@@ -4,7 +4,7 @@ Pre-emption and time limits: SLURM warns a job with SIGUSR2 (submitit asks for i
 before the limit, and ``scancel --signal=USR2`` sends the same). submitit then calls ``checkpoint``:
 the child gets SIGTERM, which the trainer turns into a checkpoint and a clean stop, and submitit
 requeues the job. The requeued job runs the same lra-run command, which continues the unfinished run
-of the same config in the same folder (lra/checkpoint.py), so it ends as an uninterrupted run would.
+of the same config in the same folder (lra/run/folder.py), so it ends as an uninterrupted run would.
 The child ignores SIGUSR2 itself (a cluster may signal every process of the job): the stop it needs
 comes as SIGTERM, after the job has decided to requeue.
 """

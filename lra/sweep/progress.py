@@ -9,7 +9,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from ..lock import LOCK_NAME
+from ..files import LOCK_NAME
 from .folder import SweepFolder, run_dir_of
 
 
@@ -83,7 +83,7 @@ def last_step(metrics: Path) -> int:
 
 
 def lock_held(path: Path) -> bool:
-    """Whether a process on this machine holds an flock on ``path`` (lra/lock.py), from /proc/locks;
+    """Whether a process on this machine holds an flock on ``path`` (lra/files.py), from /proc/locks;
     False where the file or /proc/locks is missing."""
     try:
         st = os.stat(path)

@@ -49,7 +49,7 @@ class RunSpec:
 
     @property
     def name(self) -> str:
-        """The run's name by its flags; its folder is lra.checkpoint.run_name of the resolved config, which
+        """The run's name by its flags; its folder is lra.run.folder.run_name of the resolved config, which
         adds a task's level tag (``mqar-L128-p32_...``) and any ``-N``."""
         return f"{self.task}_{self.attn}_{self.preset}_seed{self.seed}"
 

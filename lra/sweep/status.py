@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from ..tables.format import fmt_duration
+from ..format import fmt_duration
 from .folder import SweepFolder
 from .progress import Progress, run_progress
 

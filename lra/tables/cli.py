@@ -2,7 +2,7 @@
 
     lra-table [--runs results/runs ...] [--include-smoke] [--out results/tables] [--reference DIR] [--attn-module FILE.py ...]
 
-Reads ``<runs>/*/record.json`` (schema in ``lra/record.py``; by default the committed reference
+Reads ``<runs>/*/record.json`` (schema in ``lra/run/record.py``; by default the committed reference
 records in results/runs, never a user's ./runs unless named) and prints our numbers beside the
 published ones (``lra/reference/published_lra.csv`` and ``published_efficiency.csv``, package data). Writes
 ``<out>/{accuracy,efficiency,taxonomy,throughput}.{md,csv,tex}`` and two PNG plots of the LRA
@@ -26,7 +26,7 @@ from attentions import load_attention_module
 from ..cli import Parser, console
 from ..errors import UserError
 from .efficiency import efficiency_table, published_efficiency_table
-from .format import MISSING, Table, backend_order, fmt_number, markdown, write_tables
+from ..format import MISSING, Table, backend_order, fmt_number, markdown, write_tables
 from ..files import check_folder_arg, package_data
 from .recall import TASK as RECALL_TASK, recall_cells, recall_table
 from .records import load_records, shown

@@ -6,7 +6,7 @@ import statistics
 from collections import defaultdict
 from typing import Any, Dict, List, Tuple
 
-from .format import MISSING, Table, backend_order, fmt_count, fmt_duration
+from ..format import MISSING, Table, backend_order, fmt_count, fmt_duration
 from .summary import AVG_TASKS, SOURCES, TITLES, grouped, summarize, task_list
 
 MEMORY_KINDS = {"cpu_peak_rss": "CPU peak RSS", "cuda_max_allocated": "CUDA max allocated"}

@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from .format import MISSING, Table, backend_order
+from ..format import MISSING, Table, backend_order
 from .records import levels
 from .summary import seeds_text, summarize
 

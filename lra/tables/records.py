@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..config import DataConfig
 from ..errors import UserError
-from ..record import validate_record
+from ..run.record import validate_record
 from ..tasks import get_task
 
 # the checkout the package runs from (records and tables there are printed relative to it), and the

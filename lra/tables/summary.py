@@ -7,7 +7,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from .format import MISSING
+from ..format import MISSING
 
 TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
 # the LRA average leaves Path-X out, as the papers do

@@ -13,7 +13,7 @@ from typing import Any, Dict
 from attentions import build_attention, get_attention, list_attentions, origin
 
 from ..config import CONFIG_DIR, attn_options_for, backend_values
-from .format import Table
+from ..format import Table
 
 BUDGET_DIMS = {"num_heads": 1, "head_dim": 16, "max_len": 4096}
 

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..bench.record import read_record
 from ..errors import UserError
-from .format import MISSING, Table, backend_order, fmt_count
+from ..format import MISSING, Table, backend_order, fmt_count
 
 
 def throughput_table(path: Path, data: Dict[str, Any]) -> Optional[Table]:

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import UserError
 from ..files import WriteError, plain_mode
-from ..lock import FolderLock
+from ..files import FolderLock
 
 SPLITS = ("train", "val", "test")
 

@@ -23,7 +23,7 @@ from typing import Dict, List, Tuple
 from tqdm import tqdm
 
 from ..files import write_atomic_set
-from ..lock import FolderLock, remove_temporaries
+from ..files import FolderLock, remove_temporaries
 from .base import bars_off
 
 MIN, MAX, MED, SUM_MOD, END = "[MIN", "[MAX", "[MED", "[SM", "]"

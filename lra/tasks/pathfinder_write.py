@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from ..errors import UserError
 from ..files import WriteError, write_atomic
-from ..lock import FolderLock
+from ..files import FolderLock
 from .base import bars_off
 from .pathfinder_gen import Params, render_sample
 

@@ -17,8 +17,8 @@ from typing import Any, Dict, List
 import torch
 from torch import nn
 
-from .config import RunConfig
-from .errors import UserError
+from ..config import RunConfig
+from ..errors import UserError
 from .finished import FinishedRun, read_finished
 
 # the ModelConfig fields that set the shapes of the shared tensors

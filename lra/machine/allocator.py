@@ -28,7 +28,7 @@ import ctypes
 import os
 import sys
 
-from .errors import UserError
+from ..errors import UserError
 
 # mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -2, -3, -4

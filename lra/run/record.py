@@ -92,7 +92,7 @@ class Record:
     # float32 matmul rate (GFLOP/s, 1024 x 1024, the run's thread count) measured when training
     # ended, beside the load: tells apart machines of the same name
     matmul_gflops: Optional[float] = None
-    # the C allocator's setting during training (lra/allocator.py)
+    # the C allocator's setting during training (lra/machine/allocator.py)
     allocator: Optional[str] = None
     # the machine's boot (lra.machine.boot_id) when training ended: equal ids, one machine in one boot
     boot_id: Optional[str] = None

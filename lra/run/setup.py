@@ -2,7 +2,6 @@
 model (checked against the attention contract on its first call) and the optimizer."""
 from __future__ import annotations
 
-import resource
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Dict, Optional, Tuple
@@ -14,15 +13,15 @@ from attentions import get_attention
 from attentions.check import output_problem
 
 from . import distributed
-from .allocator import keep_freed_memory
-from .augment import check_augment
-from .config import RunConfig
-from .errors import UserError
+from ..machine.allocator import keep_freed_memory
+from ..tasks.augment import check_augment
+from ..config import RunConfig
+from ..errors import UserError
 from .init_from import InitFrom, match, read_source
-from .model import LRAModel
-from .tasks import Split, TaskSpec, get_task
-from .tasks.base import quiet_bars
-from .tracking import Tracker
+from ..model import LRAModel
+from ..tasks import Split, TaskSpec, get_task
+from ..tasks.base import quiet_bars
+from .trackers import Tracker
 
 
 @dataclass
@@ -45,7 +44,7 @@ class Run:
     log: Optional[IO[bytes]] = None
     # the run whose weights a fresh start loads (--init-from), matched to the model
     init: Optional[InitFrom] = None
-    # rank 0's experiment tracker (lra/tracking.py; a no-op on the other ranks and for tracker=none)
+    # rank 0's experiment tracker (lra/run/trackers.py; a no-op on the other ranks and for tracker=none)
     tracker: Tracker = field(default_factory=Tracker)
 
     @property
@@ -62,13 +61,6 @@ def pick_device(name: str) -> torch.device:
         return torch.device(name)
     except RuntimeError:
         raise UserError(f"train.device {name!r} is not a device; valid: auto, cpu, cuda, cuda:N")
-
-
-def peak_memory_mb(device: torch.device) -> Tuple[float, str]:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
-    # ru_maxrss is in KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "cpu_peak_rss"
 
 
 def to_device(split: Split, idx: np.ndarray, device: torch.device) -> Tuple[torch.Tensor, ...]:

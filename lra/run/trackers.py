@@ -16,10 +16,6 @@ import hashlib
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from .errors import UserError
-
-TRACKERS = ("none", "tensorboard", "wandb")
-
 
 class Tracker:
     """The tracker of ``train.tracker=none``: logs nothing."""
@@ -70,20 +66,6 @@ def logged_in(wandb: Any) -> bool:
         return bool(wandb.api.api_key)
     except Exception:  # noqa: BLE001 - no settings, no key: offline
         return False
-
-
-def check_tracker(kind: str) -> None:
-    """A tracker whose package is missing is refused before the run starts."""
-    if kind not in TRACKERS:
-        raise UserError(f"train.tracker must be one of {', '.join(TRACKERS)}, got {kind!r}")
-    module = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(kind)
-    if module is None:
-        return
-    import importlib.util
-
-    if importlib.util.find_spec(module) is None:
-        raise UserError(f"train.tracker={kind} needs the {module} package: pip install {module} "
-                        "(or pip install -e \".[track]\"), or use train.tracker=none")
 
 
 def open_tracker(kind: str, run_dir: Path, config: Dict[str, Any], resume_step: Optional[int]) -> Tracker:

@@ -5,30 +5,35 @@ The attention in each block is built from the ``attentions`` registry; the Q/K/V
 projections live here, once, so every backend gets the same parameters around it. Retrieval uses
 the dual head: both documents are encoded by the same encoder and combined as [u, v, u*v, u-v].
 The padding mask comes from each row's length, never from token ids (pixel 0 is real data).
-Dropout on the CPU runs on a compiled kernel (lra/dropout.py): torch's took a fifth of a step.
+Dropout on the CPU runs on a compiled kernel (lra/model/dropout.py): torch's took a fifth of a step.
 """
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from attentions import build_attention
 
-from .config import ModelConfig
+from ..config import ModelConfig
 from .dropout import Dropout
 from .heads import split_heads
 
 
 class Block(nn.Module):
-    """x + Attn(LN(x)), then x + FFN(LN(x))."""
+    """x + Attn(LN(x)), then x + FFN(LN(x)). With ``cfg.gate`` the input projection also makes g
+    and the block adds proj(Attn(...) * SiLU(g)), as the MiTA authors' gated attention
+    (QishuaiWen/MiTA, MiTA-DeiT/mita/mita_attention_conv_gate.py: one Linear(dim, 4 dim) for q, k, v, g)."""
 
     def __init__(self, cfg: ModelConfig, attn: str, attn_options: Dict[str, Any], max_len: int) -> None:
         super().__init__()
         self.heads = cfg.num_heads
+        self.gate = cfg.gate
         self.norm1 = nn.LayerNorm(cfg.dim)
-        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        # [q | k | v] or, gated, [q | k | v | g], each dim wide
+        self.qkv = nn.Linear(cfg.dim, (4 if cfg.gate else 3) * cfg.dim)
         self.attn = build_attention(
             attn, num_heads=cfg.num_heads, head_dim=cfg.dim // cfg.num_heads, max_len=max_len, **attn_options
         )
@@ -45,9 +50,14 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         b, n, c = x.shape
-        q, k, v = split_heads(self.qkv(self.norm1(x)), self.heads)  # 3 x [B, H, N, D], contiguous
-        mixed = self.attn(q, k, v, mask=mask)  # [B, H, N, D]
-        x = x + self.drop(self.proj(mixed.transpose(1, 2).reshape(b, n, c)))
+        views = self.qkv(self.norm1(x))  # [B, N, 3C], or [B, N, 4C] gated
+        qkv = views[..., : 3 * c] if self.gate else views
+        q, k, v = split_heads(qkv, self.heads)  # 3 x [B, H, N, D], contiguous
+        mixed = self.attn(q, k, v, mask=mask).transpose(1, 2).reshape(b, n, c)  # [B, N, C]
+        if self.gate:
+            # position-wise: a padded position's g reaches no other position
+            mixed = mixed * F.silu(views[..., 3 * c:])
+        x = x + self.drop(self.proj(mixed))
         return x + self.ffn(self.norm2(x))
 
 

@@ -12,9 +12,11 @@ from typing import Any, Dict
 
 import torch
 
-from .checkpoint import read_config, read_torch_file
-from .config import RunConfig, from_saved
-from .errors import UserError
+from .folder import read_config
+
+from .checkpoint import read_torch_file
+from ..config import RunConfig, from_saved
+from ..errors import UserError
 from .record import validate_record
 
 WEIGHTS = "best_model.pt"

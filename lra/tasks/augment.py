@@ -13,8 +13,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from .errors import UserError
-from .tasks.base import TaskSpec
+from ..errors import UserError
+from .base import TaskSpec
 
 AUGMENTS = ("none", "dihedral")
 

@@ -1,15 +1,17 @@
-"""What machine a number was measured on: hardware, versions, load, the code's git commit (read by
-the run records and the throughput records)."""
+"""What machine a number was measured on: hardware, versions, load, the code's git commit, the peak
+memory of a process (read by the run records and the throughput records); ``allocator`` holds the
+C library's memory settings the trainer and the benchmark choose."""
 from __future__ import annotations
 
 import os
 import platform
+import resource
 import socket
 import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -148,3 +150,11 @@ def describe(hw: Dict[str, Any]) -> str:
     if hw.get("gpu"):
         return str(hw["gpu"])
     return f"{hw['cpu_model']}, {hw['cpu_cores_usable']} cores"
+
+
+def peak_memory_mb(device: torch.device) -> Tuple[float, str]:
+    """The peak memory of this process on ``device`` so far, MB, and what was measured."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
+    # ru_maxrss is in KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "cpu_peak_rss"

@@ -10,7 +10,7 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from attentions import list_attentions
 
-from ..files import write_atomic_set
+from .files import write_atomic_set
 
 MISSING = "—"
 
@@ -75,7 +75,6 @@ def csv_text(table: Table) -> str:
         dict_writer.writeheader()
         dict_writer.writerows(table.records)
     return buffer.getvalue()
-
 
 
 def write_tables(out: Path, stem: str, tables: List[Table]) -> List[Path]:

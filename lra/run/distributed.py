@@ -11,8 +11,8 @@ from typing import Callable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-from .errors import UserError
-from .files import WriteError
+from ..errors import UserError
+from ..files import WriteError
 
 T = TypeVar("T")
 

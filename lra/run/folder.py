@@ -1,70 +1,34 @@
-"""Resumable checkpoints and the run folder they live in.
+"""The run folder: its name, the claim (chosen and locked by one process), its config and its metrics log.
 
 A run folder ``<out>/<task>_<attn>_<preset>_seed<seed>[-N]/`` holds:
     config.json      the resolved config (a resume must match it)
     checkpoint.pt    model, optimizer, step, RNG state, best-validation state, counters, the open
-                     loss window and how many bytes of metrics.jsonl it covers
+                     loss window and how many bytes of metrics.jsonl it covers (run/checkpoint.py)
     metrics.jsonl    one line per logged step and per evaluation
     record.json      the result record, once the run ends (completed or diverged)
-    .lock            held by the one process running in the folder (see lra/lock.py)
+    .lock            held by the one process running in the folder (lra/files.py: FolderLock)
 Every file but metrics.jsonl is written to a temporary name and renamed; metrics.jsonl is cut back to
 what the checkpoint covers when a run resumes, and started afresh when there is no checkpoint. So a
 run killed at any moment and run again ends with the same files as one never killed.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
-import warnings
 from pathlib import Path
-from dataclasses import dataclass, field, fields
-from typing import IO, Any, Dict, List, Optional, Tuple
+from typing import IO, Any, Dict, Optional, Tuple
 
 import torch
 
-from .config import RunConfig
-from .errors import UserError
-from .files import WriteError, write_atomic, write_json_atomic
-from .lock import FolderLock, remove_temporaries
+from ..config import RunConfig
+from ..errors import UserError
+from ..files import FolderLock, WriteError, remove_temporaries, write_json_atomic
+from . import distributed
+
 
 RUN_FILES = ("config.json", "checkpoint.pt", "metrics.jsonl", "record.json", "best_model.pt")
-CHECKPOINT_KEYS = ("model", "optimizer", "state", "rng_cpu", "rng_cuda")
-
-
-@dataclass
-class TrainState:
-    """Everything a resume needs besides the model, optimizer and RNG; saved as the checkpoint's
-    ``state`` (a plain dict, so that the checkpoint loads with weights_only)."""
-
-    started_at: str
-    # optimizer steps taken
-    step: int = 0
-    # the best validation accuracy so far, its step and a copy of the weights that reached it
-    best_acc: float = -1.0
-    best_step: int = 0
-    best_model: Optional[Dict[str, torch.Tensor]] = None
-    # wall-clock seconds of training steps and of evaluation, tokens trained on, peak memory (MB)
-    train_time: float = 0.0
-    eval_time: float = 0.0
-    tokens: int = 0
-    peak_mb: float = 0.0
-    # the last logged mean loss, and the losses since it
-    last_loss: float = float("nan")
-    losses: List[float] = field(default_factory=list)
-    # the bytes of metrics.jsonl written so far (a resume cuts the log back to them)
-    log_bytes: int = 0
-    # the code each process of the run started from (machine.git_commit); a resume on other code adds
-    # one. Optional: a checkpoint without it resumes with it empty
-    commits: List[str] = field(default_factory=list)
-
-    def to_dict(self) -> Dict[str, Any]:
-        # not dataclasses.asdict: it would deep-copy the best weights
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-# the state keys a checkpoint must hold (commits is optional)
-STATE_KEYS = tuple(f.name for f in fields(TrainState) if f.name != "commits")
 # what to do when a file of the run folder cannot be written
 RESUME = "the run stopped; free some space and run the same command again to continue it (from its last checkpoint, if any)"
 BUSY = "{folder} is in use by another lra-run (pid {pid}); wait for it to end or stop it, then run the command again"
@@ -74,7 +38,7 @@ def run_name(cfg: RunConfig) -> str:
     """``<task>_<attn>_<preset>_seed<seed>``, with the task's level tag after its name where it has
     levels (``mqar-L128-p32_full_cpu_seed0``: ``Task.run_tag``), and ``_from-<source folder>`` for a run
     started from another run's weights (--init-from)."""
-    from .tasks import get_task
+    from ..tasks import get_task
 
     try:
         tag = get_task(cfg.task).run_tag(cfg.data)
@@ -172,63 +136,6 @@ def claim_run_dir(cfg: RunConfig, resume: bool) -> Tuple[Path, FolderLock]:
     return folder, lock
 
 
-def save_checkpoint(path: Path, state: Dict[str, Any]) -> None:
-    write_atomic(path, lambda f: torch.save(state, f), RESUME)
-
-
-def read_torch_file(path: Path, what: str, advice: str) -> Any:
-    """``torch.load`` of a file this suite wrote (tensors and plain containers only, onto the CPU); a
-    damaged or foreign file is one line: "<what> is unreadable (<cause>); <advice>"."""
-    try:
-        # torch warns (on stderr) about some foreign pickles before refusing them: the error says enough
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # a truncated file, another format, a pickle of other objects
-        raise UserError(f"{what} is unreadable ({type(err).__name__}); {advice}")
-
-
-def load_checkpoint(path: Path) -> Optional[Dict[str, Any]]:
-    """The checkpoint at ``path`` (None when there is none); a foreign or damaged file is a one-line error."""
-    if not path.exists():
-        return None
-    saved = read_torch_file(path, f"the checkpoint {path}", "delete it to start the run over")
-    problem = checkpoint_problem(saved)
-    if problem:
-        raise UserError(f"the checkpoint {path} {problem}; delete it to start the run over")
-    return saved
-
-
-def checkpoint_problem(saved: Any) -> str:
-    """What makes ``saved`` something other than a checkpoint of this trainer ("" when it is one)."""
-    if not isinstance(saved, dict):
-        return f"holds a {type(saved).__name__}, not a training checkpoint"
-    missing = [k for k in CHECKPOINT_KEYS if k not in saved]
-    if missing:
-        return f"is not a training checkpoint of this suite (it lacks {', '.join(missing)})"
-    state = saved["state"]
-    missing = [k for k in STATE_KEYS if k not in state] if isinstance(state, dict) else ["state"]
-    if missing:
-        return f"lacks state {', '.join(missing)} (written by another version of the suite?)"
-    if not isinstance(state["step"], int) or state["step"] < 0 or not isinstance(state["log_bytes"], int):
-        return f"holds step {state['step']!r} and log size {state['log_bytes']!r}; both must be whole numbers"
-    rng = saved["rng_cpu"]
-    if not isinstance(rng, list) or not rng or not all(isinstance(r, torch.Tensor) and r.dtype == torch.uint8 for r in rng):
-        return "holds no usable random-number state (rng_cpu)"
-    return ""
-
-
-def restore_weights(path: Path, saved: Dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load the model and optimizer; a checkpoint of another model shape is a one-line error."""
-    try:
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as err:
-        detail = " ".join(str(err).split())
-        raise UserError(f"the checkpoint {path} does not fit this run's model ({detail[:240]}); delete it to start "
-                        "the run over")
-
-
 def write_config(folder: Path, cfg: RunConfig) -> None:
     write_json_atomic(folder / "config.json", cfg.to_dict(), RESUME)
 
@@ -260,3 +167,21 @@ def append_metric(log: IO[bytes], row: Dict[str, Any]) -> None:
         os.ftruncate(log.fileno(), start)
         log.seek(start)
         raise WriteError(Path(log.name), err, RESUME) from None
+
+
+def claim(cfg: RunConfig, resume: bool, d: distributed.Dist, held: contextlib.ExitStack) -> Path:
+    """Rank 0 chooses and locks the run folder (unlocked when ``held`` closes); every rank gets its path.
+    A refusal (the folder in use, say) is rank 0's one line; the other ranks end with it."""
+
+    def on_main() -> Any:
+        run_dir, lock = claim_run_dir(cfg, resume)
+        held.callback(lock.release)
+        return run_dir
+
+    run_dir = distributed.on_main(on_main, d)
+    if d.enabled:
+        holder = [run_dir]
+        torch.distributed.broadcast_object_list(holder, src=0)
+        run_dir = holder[0]
+    assert run_dir is not None
+    return run_dir

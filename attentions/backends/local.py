@@ -36,11 +36,13 @@ class LocalConfig:
 
 
 def masked_softmax(scores: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last axis with the entries where ``ok`` is False given no weight (float32 at
-    least). A row with no ok entry is uniform: callers zero the rows that have no real key."""
-    low = torch.finfo(scores.dtype).min
+    """Softmax over the last axis with the entries where ``ok`` (broadcast to scores) is False given
+    no weight, float32 at least. ``scores`` is overwritten (one pass: a bias of 0 or the dtype's
+    lowest value added in place; ok is [B, 1, ...], shared by the heads). A row with no ok entry is
+    uniform: callers zero the rows that have no real key."""
+    bias = torch.zeros(ok.shape, dtype=scores.dtype, device=scores.device).masked_fill_(~ok, torch.finfo(scores.dtype).min)
     acc = torch.promote_types(scores.dtype, torch.float32)
-    return scores.masked_fill(~ok, low).softmax(dim=-1, dtype=acc).to(scores.dtype)
+    return scores.add_(bias).softmax(dim=-1, dtype=acc).to(scores.dtype)
 
 
 def zero_padded_rows(out: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:

@@ -141,7 +141,7 @@ class LongformerAttention(Attention):
         blocks = q_b.shape[2]
         # 1. the keys each block of queries can reach: the own block, back blocks before, ahead after
         pad = (back * size, (blocks + ahead) * size - n)
-        k_span = F.pad(k, (0, 0) + pad).unfold(2, span, size)  # [B, H, M, D, span]
+        k_span = F.pad(k, (0, 0) + pad).unfold(2, span, size).transpose(-1, -2)  # [B, H, M, span, D]
         v_span = F.pad(v, (0, 0) + pad).unfold(2, span, size).transpose(-1, -2)  # [B, H, M, span, D]
         key_ok = real.clone()
         key_ok[:, glob] = False  # a global key is a global column, not a window key
@@ -150,19 +150,17 @@ class LongformerAttention(Attention):
         offset = torch.arange(span, device=q.device) - back * size - torch.arange(size, device=q.device)[:, None]
         band = (offset >= -(left - 1)) & (offset <= right)  # [b, span]
         ok = band & key_ok[:, None, :, None, :]  # [B, 1, M, b, span]
-        scores = q_b @ k_span  # [B, H, M, b, span]
+        index = torch.tensor(glob, dtype=torch.long, device=q.device)
+        if glob:
+            # 2. the global keys as G more keys of every block, under the same softmax
+            g = len(glob)
+            k_span = torch.cat([k_span, k[:, :, None, index].expand(b, h, blocks, g, d)], dim=3)  # [B, H, M, span + G, D]
+            v_span = torch.cat([v_span, v[:, :, None, index].expand(b, h, blocks, g, d)], dim=3)
+            ok = torch.cat([ok, real[:, None, None, None, index].expand(b, 1, blocks, size, g)], dim=-1)
+        scores = q_b @ k_span.transpose(-1, -2)  # [B, H, M, b, span + G]
+        out = (masked_softmax(scores, ok) @ v_span).view(b, h, blocks * size, d)[:, :, :n]  # [B, H, N, D]
         if not glob:
-            out = masked_softmax(scores, ok) @ v_span  # [B, H, M, b, D]
-            out = out.view(b, h, blocks * size, d)[:, :, :n]
             return zero_padded_rows(out, mask)
-        # 2. the global keys as G more columns of every query's softmax
-        index = torch.tensor(glob, device=q.device)
-        g = len(glob)
-        scores_g = q_b @ k[:, :, index].transpose(-1, -2)[:, :, None]  # [B, H, M, b, G]
-        ok_g = real[:, index][:, None, None, None, :].expand(b, 1, blocks, size, g)
-        weights = masked_softmax(torch.cat([scores, scores_g], -1), torch.cat([ok, ok_g], -1))
-        out = weights[..., :span] @ v_span + weights[..., span:] @ v[:, :, index][:, :, None]  # [B, H, M, b, D]
-        out = out.view(b, h, blocks * size, d)[:, :, :n]
         # 3. the global queries over every real key
         scores = (q[:, :, index] * (1 / math.sqrt(d))) @ k.transpose(-1, -2)  # [B, H, G, N]
         out = out.index_copy(2, index, masked_softmax(scores, real[:, None, None, :]) @ v)

@@ -79,15 +79,14 @@ def chunk_attention(
     (usable where ok_b [B, 1, C, 1, l]) and the summary keys k_s, v_s [B, H, S, D] (ok_s [B, S]),
     one softmax over both -> [B, H, C, l, D]."""
     b, h, blocks, size, d = q_b.shape
-    local = q_b @ k_b.transpose(-1, -2)  # [B, H, C, l, l]
-    if k_s.shape[2] == 0:
-        return masked_softmax(local, ok_b) @ v_b
-    summ = (q_b.reshape(b, h, blocks * size, d) @ k_s.transpose(-1, -2)).view(b, h, blocks, size, -1)  # [B, H, C, l, S]
-    s = summ.shape[-1]
-    ok = torch.cat([ok_b.expand(b, 1, blocks, size, size), ok_s[:, None, None, None, :].expand(b, 1, blocks, size, s)], -1)
-    weights = masked_softmax(torch.cat([local, summ], -1), ok)  # [B, H, C, l, l + S]
-    out_s = weights[..., size:].reshape(b, h, blocks * size, s) @ v_s  # [B, H, C l, D]
-    return weights[..., :size] @ v_b + out_s.view(b, h, blocks, size, d)
+    s = k_s.shape[2]
+    if s:
+        # the summary keys joined to every block's own keys: a copy of S D per block (1 / D of the scores)
+        k_b = torch.cat([k_b, k_s[:, :, None].expand(b, h, blocks, s, d)], dim=3)  # [B, H, C, l + S, D]
+        v_b = torch.cat([v_b, v_s[:, :, None].expand(b, h, blocks, s, d)], dim=3)
+        ok_b = torch.cat([ok_b, ok_s[:, None, None, None, :].expand(b, 1, blocks, 1, s)], dim=-1)  # [B, 1, C, 1, l + S]
+    scores = q_b @ k_b.transpose(-1, -2)  # [B, H, C, l, l + S]
+    return masked_softmax(scores, ok_b) @ v_b
 
 
 @register("sparse_transformer")

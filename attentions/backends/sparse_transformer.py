@@ -46,9 +46,10 @@ class SparseTransformerConfig:
 
 
 def summary_positions(n: int, block_size: int, summary: int, device: torch.device) -> torch.Tensor:
-    """The summary columns [S] of a length-n sequence: the last ``summary`` positions of every block."""
-    positions = torch.arange(n, device=device)
-    return positions[positions % block_size >= block_size - summary]
+    """The summary columns [S] of a length-n sequence: the last ``summary`` positions of every block
+    (from n and the settings alone: no read back from the device, a constant under torch.compile)."""
+    starts = range(block_size - summary, n, block_size)
+    return torch.tensor([j for s in starts for j in range(s, min(s + summary, n))], dtype=torch.long, device=device)
 
 
 def reference(

@@ -20,6 +20,9 @@ from lra.model import LRAModel
 
 OPTIONS: Dict[str, dict] = {"mita": {"landmarks": 8, "topk": 8}, "moba": {"block_size": 16, "topk": 2},
                             "topk": {"topk": 8, "chunk_size": 32}}
+# several blocks, chunks (recomputed in the backward) and global tokens at N = 64
+OPTIONS.update({"sparse_transformer": {"block_size": 8, "summary": 2, "chunk_size": 16},
+                "longformer": {"window": 9, "global_tokens": [0, 50]}, "local": {"block_size": 10}})
 BUILT_INS = list_attentions()
 needs_kernels = pytest.mark.skipif(not grouped_cpu.takes(torch.zeros(0)), reason="the C kernels do not build here")
 

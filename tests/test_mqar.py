@@ -163,7 +163,10 @@ def test_cpu_protocol_keeps_every_budget_well_below_n() -> None:
         attn = build_attention(name, num_heads=heads, head_dim=cfg.model.dim // heads, max_len=n, **cfg.attn_options)
         seen[name] = keys_per_query(attn.budget(), n)
     assert seen["full"] == seen["linear"] == 128
-    assert all(keys <= 128 // 8 for name, keys in seen.items() if name not in ("full", "linear")), seen
+    # the Sparse Transformer's fixed pattern cannot go below its own block of l plus one summary column
+    # in each other block, l + N / l - 1 >= 2 sqrt(N) - 1: 21 keys at N = 128 (l = 12, c = 1)
+    floor = {"sparse_transformer": 21}
+    assert all(keys <= floor.get(name, 128 // 8) for name, keys in seen.items() if name not in ("full", "linear")), seen
 
 
 def test_run_folders_name_the_level() -> None:

@@ -35,7 +35,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).abs().max().detach() / ref.abs().max().detach().clamp_min(1e-30))
 
 
-def conv_along_sequence(v: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+def conv_along_sequence(
+    v: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mask: Optional[torch.Tensor]
+) -> torch.Tensor:
     """y[b, h, i, d] = bias[c] + sum_t w[c, t] v[b, h, i + t - r, d] over real positions, c = h D + d."""
     if mask is not None:
         v = v * mask[:, None, :, None]
@@ -94,7 +96,8 @@ def test_one_d_term_matches_the_tap_loop(taps: int) -> None:
     out = attn(q, k, v, mask)
     ref = attn.mix(q, k, v, mask) + conv_along_sequence(v, attn.dwc.weight, attn.dwc.bias, mask)
     inputs = [q, k, v, attn.dwc.weight, attn.dwc.bias]
-    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype) * mask[:, None, :, None]
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    weight = weight * mask[:, None, :, None]
     got = torch.autograd.grad((out * weight).sum(), inputs)
     want = torch.autograd.grad((ref * weight).sum(), inputs)
     real = mask[:, None, :, None]

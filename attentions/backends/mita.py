@@ -217,9 +217,13 @@ class MiTAAttention(Attention):
         self.dwc = None
         if cfg.dwc:
             if cfg.dwc_kernel < 1 or cfg.dwc_kernel % 2 == 0:
-                raise AttentionError(f"mita dwc_kernel must be a positive odd integer (same-length output); got {cfg.dwc_kernel}")
+                raise AttentionError(
+                    f"mita dwc_kernel must be a positive odd integer (same-length output); got {cfg.dwc_kernel}"
+                )
             if cfg.dwc_grid < 0:
-                raise AttentionError(f"mita dwc_grid must be 0 (1-D along the sequence) or the grid side s > 0; got {cfg.dwc_grid}")
+                raise AttentionError(
+                    f"mita dwc_grid must be 0 (1-D along the sequence) or the grid side s > 0; got {cfg.dwc_grid}"
+                )
             channels = dims.num_heads * dims.head_dim
             conv = nn.Conv2d if cfg.dwc_grid else nn.Conv1d
             # groups = channels: one kernel and bias per value channel, as the authors' nn.Conv2d(dim, dim, groups=dim)

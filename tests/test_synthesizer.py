@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from attentions import AttentionError, build_attention
 from attentions.backends.synthesizer import reference
+from attentions.check import Battery, Sizes
 
 B, H, N, D = 2, 2, 64, 16
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
@@ -44,10 +45,10 @@ def build(**options) -> torch.nn.Module:
 
 
 MODES = [
-    pytest.param({}, id="random"),
-    pytest.param({"mode": "factorized_random", "k": 8}, id="factorized-k8"),
-    pytest.param({"dot_product": True}, id="random+dot"),
-    pytest.param({"mode": "factorized_random", "k": 8, "dot_product": True}, id="factorized-k8+dot"),
+    pytest.param({"dot_product": False}, id="random"),
+    pytest.param({"mode": "factorized_random", "k": 8, "dot_product": False}, id="factorized-k8"),
+    pytest.param({}, id="random+dot"),
+    pytest.param({"mode": "factorized_random", "k": 8}, id="factorized-k8+dot"),
 ]
 
 
@@ -70,7 +71,7 @@ def test_matches_the_per_head_loop(options: dict, masked: bool, dtype: torch.dty
 
 
 def test_zero_logits_with_the_dot_product_are_full_attention() -> None:
-    attn = build(dot_product=True).double()
+    attn = build().double()
     with torch.no_grad():
         attn.R.zero_()
     q, k, v = (x.detach() for x in make_qkv(N, torch.float64))
@@ -80,8 +81,8 @@ def test_zero_logits_with_the_dot_product_are_full_attention() -> None:
 
 
 def test_factorized_is_random_with_the_product_as_its_matrix() -> None:
-    factorized = build(mode="factorized_random", k=8).double()
-    random = build().double()
+    factorized = build(mode="factorized_random", k=8, dot_product=False).double()
+    random = build(dot_product=False).double()
     with torch.no_grad():
         random.R.copy_(factorized.R1 @ factorized.R2)
     q, k, v = (x.detach() for x in make_qkv(N, torch.float64))
@@ -91,7 +92,7 @@ def test_factorized_is_random_with_the_product_as_its_matrix() -> None:
 
 def test_padded_keys_take_no_weight_without_the_dot_product() -> None:
     """The JAX code drops the mask in this mode; here padded values never reach a real row."""
-    attn = build()
+    attn = build(dot_product=False)
     q, k, v = (x.detach() for x in make_qkv(N, torch.float32))
     mask = make_mask(N, [N, 29])
     noisy = torch.where(mask[:, None, :, None], v, 1e3 * torch.randn_like(v))
@@ -99,6 +100,17 @@ def test_padded_keys_take_no_weight_without_the_dot_product() -> None:
     assert rel_err(attn(q, k, noisy, mask) * real, attn(q, k, v, mask) * real) < 1e-6
     # a row with no real token stays finite
     assert attn(q, k, v, make_mask(N, [N, 0])).isfinite().all()
+
+
+@pytest.mark.parametrize("mode", ["random", "factorized_random"])
+def test_the_contract_battery_passes_without_the_dot_product(mode: str) -> None:
+    """lra-check-attn's padding checks (attentions/check.py) on the modes q and k take no part in."""
+    overrides = {"mode": mode, "k": 8, "dot_product": False}
+    battery = Battery("synthesizer", Sizes(batch=3, heads=H, length=N, head_dim=D), seed=0, overrides=overrides)
+    battery.pick_dtype()
+    for check in (battery.shapes_and_dtype, battery.finite, battery.padding_invariance, battery.padding_gradient,
+                  battery.padded_vs_alone):
+        check()
 
 
 def test_a_sequence_longer_than_max_len_is_refused() -> None:

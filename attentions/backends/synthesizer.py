@@ -42,8 +42,9 @@ class SynthesizerConfig:
     mode: str = "random"
     # rank of the factorized mode (the JAX code's k)
     k: int = 32
-    # add Q K^T / sqrt(D) to the synthetic logits (the JAX code's ignore_dot_product = False)
-    dot_product: bool = False
+    # add Q K^T / sqrt(D) to the synthetic logits: the JAX model's default (ignore_dot_product = False);
+    # False is the paper's plain Random / Factorized Random
+    dot_product: bool = True
     # R is a fixed random buffer, not trained (the paper's Fixed Random); drawn from torch's global
     # generator like any initial weight, and saved in the state dict, so a checkpoint reloads it
     fixed: bool = False

@@ -13,6 +13,15 @@ a key in two of a query's experts counts twice. shared_expert = False drops the 
 The fast path groups queries by expert (ops/grouped; on the CPU the C kernel, which reads the expert
 keys by index, and for the default form the whole layer as one operator on the C kernels,
 ops/landmark/mita_layer_cpu.py); ``reference`` is the plain form.
+
+dwc = True is the paper's "MiTA + DWC" configuration (its ImageNet-1K enhancement; the authors'
+QishuaiWen/MiTA ``MiTA-DeiT/mita/mita_attention_conv.py``): a depth-wise convolution of the values,
+one learned kernel and bias per channel of the H * D value channels, added to the attention output
+(before the model's output projection). The authors convolve 3 x 3 over the image grid; here the
+convolution runs along the sequence (1-D, kernel ``dwc_kernel``) or, with ``dwc_grid`` = s, 2-D over
+the s x s grid (a leading token beyond s * s, a cls token, is left out of it, as the authors leave
+out DeiT's class token). Padded values are zeroed before the convolution, so padding never reaches
+a real position. Off (the default) adds no parameter and leaves every output as base MiTA's.
 """
 from __future__ import annotations
 
@@ -22,6 +31,8 @@ from functools import partial
 from typing import Optional, Tuple
 
 import torch
+from torch import nn
+from torch.nn import functional as F
 
 from ..ops import landmark
 from ..base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
@@ -54,6 +65,13 @@ class MiTAConfig:
     # (the C kernel, float32 on the CPU), or "auto" (Triton on CUDA when installed, as validated and
     # timed on an H200; the C kernel on the CPU where it builds; PyTorch otherwise)
     kernel: str = "auto"
+    # add a depth-wise convolution of the values to the output (the paper's MiTA + DWC); off is base MiTA
+    dwc: bool = False
+    # the convolution's width along each axis (odd; the authors' 3, a 3 x 3 kernel on the image grid)
+    dwc_kernel: int = 3
+    # 0: 1-D along the sequence; s > 0: 2-D over an s x s grid (N = s * s, or s * s + 1 with a leading
+    # cls token that the convolution leaves out)
+    dwc_grid: int = 0
 
 
 def reference(
@@ -196,6 +214,20 @@ class MiTAAttention(Attention):
                 f"and at most topk={cfg.topk} (each expert keeps topk // experts_per_query keys)"
             )
         check_kernel(cfg.kernel, "mita")
+        self.dwc = None
+        if cfg.dwc:
+            if cfg.dwc_kernel < 1 or cfg.dwc_kernel % 2 == 0:
+                raise AttentionError(
+                    f"mita dwc_kernel must be a positive odd integer (same-length output); got {cfg.dwc_kernel}"
+                )
+            if cfg.dwc_grid < 0:
+                raise AttentionError(
+                    f"mita dwc_grid must be 0 (1-D along the sequence) or the grid side s > 0; got {cfg.dwc_grid}"
+                )
+            channels = dims.num_heads * dims.head_dim
+            conv = nn.Conv2d if cfg.dwc_grid else nn.Conv1d
+            # groups = channels: one kernel and bias per value channel, as the authors' nn.Conv2d(dim, dim, groups=dim)
+            self.dwc = conv(channels, channels, cfg.dwc_kernel, padding=cfg.dwc_kernel // 2, groups=channels)
 
     @classmethod
     def implementation(cls, cfg: MiTAConfig, device: torch.device) -> str:
@@ -206,11 +238,14 @@ class MiTAAttention(Attention):
         """m landmarks, k routed keys per query, shared expert on (per head, length n, head dim d):
         landmark scores L K^T 2 m N D (under no_grad: no backward); shared expert softmax(L K^T) V
         4 m N D; per query the gate q L^T 2 N m D, routed logits 2 N k D and the mixing of the m shared
-        and k routed values 2 N (m + k) D: together 4 N (m + k) D. Train = forward + 2x (forward - scores)."""
+        and k routed values 2 N (m + k) D: together 4 N (m + k) D; with dwc, the convolution 2 N D taps
+        (taps = dwc_kernel, squared on a grid). Train = forward + 2x (forward - scores)."""
         m = min(cfg.landmarks, n)
         k = min(cfg.experts_per_query * (cfg.topk // cfg.experts_per_query), n)
         scores = 2.0 * m * n * d
         forward = scores + 4.0 * m * n * d + 4.0 * n * (m + k) * d
+        if cfg.dwc:
+            forward += 2.0 * n * d * cfg.dwc_kernel ** (2 if cfg.dwc_grid else 1)
         return forward, forward + 2.0 * (forward - scores)
 
     def budget(self) -> str:
@@ -235,11 +270,40 @@ class MiTAAttention(Attention):
         _, real_marks, index, key_ok, _ = build_experts(q, k, k, mask, self.cfg.landmarks, keys, native)
         return index, key_ok & real_marks[:, None, :, None]
 
+    def depthwise(self, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """The DWC term: the depth-wise convolution of the values (padded ones zeroed), [B, H, N, D]."""
+        b, h, n, d = v.shape
+        if mask is not None:
+            v = v.masked_fill(~mask[:, None, :, None], 0.0)
+        x = v.permute(0, 1, 3, 2).reshape(b, h * d, n)  # [B, H*D, N], channel h*D + d
+        side = self.cfg.dwc_grid
+        if not side:
+            y = self.dwc(x)  # [B, H*D, N]
+        else:
+            skip = n - side * side
+            if skip not in (0, 1):
+                raise AttentionError(
+                    f"mita dwc_grid={side} lays the values on a {side} x {side} grid: N must be {side * side} "
+                    f"(or {side * side + 1} with a cls token); got N={n}"
+                )
+            grid = self.dwc(x[..., skip:].reshape(b, h * d, side, side))  # [B, H*D, s, s]
+            y = F.pad(grid.reshape(b, h * d, side * side), (skip, 0))  # the cls token gets no term
+        return y.view(b, h, d, n).transpose(-1, -2)
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
         check_inputs(q, k, v, mask)
-        split = tuning.in_batch_chunks(self.forward, q, k, v, mask)
+        out = self.mix(q, k, v, mask)
+        if self.dwc is None:
+            return out
+        return out + self.depthwise(v, mask)
+
+    def mix(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """Steps 1-5 on the kernels (base MiTA's output). [B, H, N, D]"""
+        split = tuning.in_batch_chunks(self.mix, q, k, v, mask)
         if split is not None:
             return split
         cfg = self.cfg

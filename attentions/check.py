@@ -279,12 +279,14 @@ def run_check(check: str, body: Callable[[], str]) -> CheckResult:
         return CheckResult(check, FAIL, f"raised {describe(err)}")
 
 
-def check_backend(name: str, sizes: Optional[Sizes] = None, seed: int = 0) -> Report:
-    """Run the whole battery on backend ``name``; the caller's random state is left unchanged."""
+def check_backend(name: str, sizes: Optional[Sizes] = None, seed: int = 0,
+                  overrides: Optional[Dict[str, Any]] = None) -> Report:
+    """Run the whole battery on backend ``name`` built with ``overrides`` (its own hyperparameters);
+    the caller's random state is left unchanged."""
     sizes = sizes or Sizes()
-    battery = Battery(name, sizes, seed)
+    battery = Battery(name, sizes, seed, overrides)
     with torch.random.fork_rng(devices=[]):
-        built = run_check("builds with its defaults", battery.builds)
+        built = run_check("builds with its defaults" if not overrides else "builds with these options", battery.builds)
         report = Report(name, dtype_name(torch.float32), results=[built])
         # (check, body, needs a padding mask)
         module_checks = [

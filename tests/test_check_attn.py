@@ -96,6 +96,16 @@ def test_built_in_name_is_checked(capsys: pytest.CaptureFixture) -> None:
     assert capsys.readouterr().out.startswith("full (built-in): float64")
 
 
+def test_set_options_and_a_tasks_own_options_reach_the_battery(capsys: pytest.CaptureFixture) -> None:
+    # --set builds the backend with the option: MiTA's depth-wise convolution is on
+    assert main(["--name", "mita", "--set", "dwc=true", "attn.dwc_kernel=5"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("mita (built-in): float64, B=3 H=2 N=64 D=16, dwc=True dwc_kernel=5")
+    # with --task, the options of the run that task and preset resolve to: Linformer's 16 rows on MQAR
+    assert main(["--name", "linformer", "--task", "mqar", "--preset", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "k=16" in out.splitlines()[0] and "budget: PASS: 'k = 16'" in out
+
+
 BAD = {
     "not-python": ("notes.txt", "x = 1\n", [], "is not a Python file"),
     "missing-file": ("absent.py", None, [], "is not a Python file"),
@@ -104,6 +114,8 @@ BAD = {
     "registers-nothing": ("nothing.py", "x = 1\n", [], "registers no new backend"),
     "unknown-name": (None, None, ["--name", "nosuch"], "unknown --name 'nosuch'; known: full"),
     "no-arguments": (None, None, [], "give the Python file"),
+    "unknown-option": (None, None, ["--name", "mita", "--set", "nope=1"], "unknown option 'nope' for attention 'mita'"),
+    "not-an-option": (None, None, ["--name", "mita", "--set", "train.lr=1"], "must be a backend option KEY=VALUE"),
 }
 
 

@@ -1,16 +1,17 @@
 """lra-check-attn: run the attention contract battery (``attentions.check``) on a user's backends.
 
-    lra-check-attn path/to/my_attention.py [--name NAME ...] [--task TASK [--preset PRESET]]
+    lra-check-attn path/to/my_attention.py [--name NAME ...] [--task TASK [--preset PRESET]] [--set KEY=VALUE ...]
 
 Prints PASS / FAIL (with why) / SKIP for every check of every backend the file registers (or of the
-named ones; built-in names are fine), at the battery's small sizes or, with ``--task``, at the length,
-heads and head width a task's preset trains with. Exit status 0 when every check passes, 1 when one fails,
+named ones; built-in names are fine), at the battery's small sizes with the backend's own defaults or,
+with ``--task``, at the length, heads and head width a task's preset trains with and the backend options
+that run resolves to (its YAML, with the task's section). ``--set`` changes backend options on top. Exit status 0 when every check passes, 1 when one fails,
 2 for bad input (not a .py file, an import error, no backend registered, an unknown --name).
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from attentions import list_attentions, load_attention_module, origin
 from attentions.check import FAIL, Report, Sizes, check_backend
@@ -33,23 +34,41 @@ def parser() -> Parser:
     p.add_argument("--task", help="check at this task's sequence length, heads and head width (default: the "
                    "battery's B=3 H=2 N=64 D=16)")
     p.add_argument("--preset", default="paper", help="with --task: the preset whose sizes are used (default paper)")
+    p.add_argument("--set", dest="sets", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="a backend option for the check, e.g. dwc=true or attn.topk=32 (may repeat)")
     return p
 
 
-def task_sizes(task: str, preset: str) -> Sizes:
-    """The battery's sizes at the length (a cls token included), heads and head width ``task`` trains with under ``preset``."""
-    from ..config import resolve
+def option_sets(items: List[str]) -> List[str]:
+    """``--set`` items as lra-run's ``attn.key=value``; anything else is a one-line error."""
+    sets = []
+    for item in items:
+        key = item.split("=", 1)[0]
+        if "=" not in item or not key or (key.count(".") and not key.startswith("attn.")):
+            raise UserError(f"--set {item!r} must be a backend option KEY=VALUE (or attn.KEY=VALUE), e.g. topk=32")
+        sets.append(item if key.startswith("attn.") else f"attn.{item}")
+    return sets
+
+
+def task_setting(name: str, task: Optional[str], preset: str, sets: List[str]) -> Tuple[Sizes, Dict[str, Any]]:
+    """The battery's sizes and backend ``name``'s options: the battery's small sizes and the --set options;
+    with a task, the length (a cls token included), heads and head width it trains with under
+    ``preset`` and the options that run resolves to, --set applied last."""
+    from ..config import build_attn_options, resolve
     from ..tasks import get_task
 
-    cfg = resolve(task, "full", preset)
+    if task is None:
+        return Sizes(), build_attn_options(name, sets)
+    cfg = resolve(task, name, preset, sets=sets)
     length = get_task(task).max_len(cfg.data) + (1 if cfg.model.pooling == "cls" else 0)
-    return Sizes(heads=cfg.model.num_heads, length=length, head_dim=cfg.model.dim // cfg.model.num_heads)
+    return Sizes(heads=cfg.model.num_heads, length=length, head_dim=cfg.model.dim // cfg.model.num_heads), cfg.attn_options
 
 
-def print_report(report: Report, sizes: Sizes) -> None:
+def print_report(report: Report, sizes: Sizes, options: Dict[str, Any]) -> None:
     note = f"; {report.dtype_note}" if report.dtype_note else ""
+    shown = f", {' '.join(f'{k}={v}' for k, v in options.items())}" if options else ""
     print(f"{report.name} ({origin(report.name)}): {report.dtype}, "
-          f"B={sizes.batch} H={sizes.heads} N={sizes.length} D={sizes.head_dim}{note}")
+          f"B={sizes.batch} H={sizes.heads} N={sizes.length} D={sizes.head_dim}{shown}{note}")
     for result in report.results:
         print(f"  {result.line()}")
     failed = sum(r.status == FAIL for r in report.results)
@@ -70,11 +89,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     for name in args.names:
         if name not in known:
             raise UserError(f"unknown --name {name!r}; known: {', '.join(known)}")
-    sizes = task_sizes(args.task, args.preset) if args.task else Sizes()
+    sets = option_sets(args.sets)
     passed = True
     for name in args.names or new:
-        report = check_backend(name, sizes, seed=args.seed)
-        print_report(report, sizes)
+        sizes, options = task_setting(name, args.task, args.preset, sets)
+        report = check_backend(name, sizes, seed=args.seed, overrides=options)
+        print_report(report, sizes, options)
         passed = passed and report.passed
     return 0 if passed else 1
 

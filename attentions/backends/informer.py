@@ -60,7 +60,8 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[
         index = (uniform[:n, :u] * n).long().clamp_max(n - 1)  # [n, u]
         scores = qb @ kb.transpose(-1, -2)  # [H, n, n]
         sampled = scores.gather(-1, index.expand(qb.shape[0], n, u))  # [H, n, u]
-        measure = sampled.max(-1).values - sampled.sum(-1) / n  # [H, n]
+        # (a sequence of one token samples none: u = 0 and it is lazy)
+        measure = (sampled.max(-1).values if u else sampled.sum(-1)) - sampled.sum(-1) / n  # [H, n]
         # 2. the u queries of largest measure
         top = measure.topk(u, dim=-1).indices  # [H, u]
         # 3. lazy queries: the mean of the values; active ones: softmax over every key

@@ -6,21 +6,23 @@ token is hashed by a random rotation R (bucket = argmax [xR; -xR]), the tokens a
 in its own chunk and the chunk before, never to itself unless it has no other key there (its score
 lowered by 1e5). The rounds are combined by the weights softmax over rounds of each round's
 logsumexp, and a key shared with a query in several rounds' buckets has its score lowered by log of
-that count (the paper's m_ij), so it is counted once. Cost: O(n_hashes N log N) for the sort plus
-O(n_hashes N chunk_size D) for the attention; memory O(n_hashes N chunk_size), no N x N matrix.
+that count (the paper's m_ij), so it is counted once. Cost: O(n_hashes N D sum(bucket factors)) for
+the hashing, O(n_hashes N log N) for the sort, O(n_hashes N chunk_size D) for the attention; memory
+O(n_hashes N chunk_size), no N x N matrix.
 
 Sources: the paper (Sec. 2-3); google/trax ``trax/layers/research/efficient_attention.py``;
 huggingface transformers ``LSHSelfAttention``, which the PyTorch LRA code wraps (mlpen/Nystromformer
 ``LRA/code/attention_reformer.py``, reused by Skyformer, sets query_key = W_q, 2 hashes in
 Skyformer's ``src/config.py``). Defaults are HF's: chunk 64, one chunk before and none after, and
-n_buckets = 2 max_len / chunk rounded down to a power of two. Where this file and that code differ:
+n_buckets = 2 max_len / chunk rounded down to a power of two, hashed as two factors (two rotations)
+above 2 max(sqrt(max_len / chunk), chunk) buckets. Where this file and that code differ:
 - the paper's attention within the bucket only (HF lets a query attend every key of the two chunks,
   whatever its bucket) and its duplicate count log N_ij (HF counts a key once per round);
 - the queries q are the shared query-keys (HF's query_key is tied to W_q); the keys k are not used;
 - padding: padded tokens take an extra last bucket (as HF) and each round is chunked on its own from
   its first sorted token, so the chunks of the real tokens do not depend on the padded length (HF
   chunks the rounds laid end to end, and the chunk before a round's first chunk is the previous
-  round's last); HF's factorised buckets above 2 max(sqrt(max_len / chunk), chunk) are one rotation here;
+  round's last);
 - the rotations are a seeded buffer saved with the model (HF and trax draw new ones at every call).
 One bucket with a chunk covering the sequence is full softmax attention over q_i . q_j / |q_j|,
 j != i (the token itself only when alone).
@@ -53,10 +55,18 @@ class ReformerConfig:
     seed: int = 0
 
 
-def default_buckets(max_len: int, chunk_size: int) -> int:
-    """HF's bucket count: 2 (max_len // chunk_size) rounded down to a power of two (1 when one chunk)."""
+def default_buckets(max_len: int, chunk_size: int) -> Tuple[int, ...]:
+    """HF's bucket count: 2 (max_len // chunk_size) rounded down to a power of two (1 when one chunk
+    holds the sequence: HF then runs plain attention with the self mask),
+    as two factors (two rotations, bucket = b1 + f1 b2) above 2 max(sqrt(max_len // chunk_size),
+    chunk_size) buckets, so that hashing stays O(N sqrt(N / chunk_size) D) and not O(N^2 D / chunk_size)."""
     pairs = 2 * (max_len // chunk_size)
-    return 1 if pairs < 2 else 2 ** (pairs.bit_length() - 1)
+    if max_len <= chunk_size:
+        return (1,)
+    power = pairs.bit_length() - 1
+    if 2**power > 2 * max(int((max_len // chunk_size) ** 0.5), chunk_size):
+        return (2 ** (power // 2), 2 ** (power - power // 2))
+    return (2**power,)
 
 
 def shared_keys(qk: torch.Tensor) -> torch.Tensor:
@@ -64,17 +74,22 @@ def shared_keys(qk: torch.Tensor) -> torch.Tensor:
     return qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 / math.sqrt(qk.shape[-1]))
 
 
-def hash_buckets(qk: torch.Tensor, rotations: torch.Tensor, n_buckets: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """Bucket of every token in every round [B, H, R, N]; padded tokens take bucket n_buckets."""
+def hash_buckets(qk: torch.Tensor, rotations: torch.Tensor, factors: Tuple[int, ...],
+                 mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Bucket of every token in every round [B, H, R, N] from rotations [H, D, R, sum(factors) / 2]:
+    per factor f, argmax over [xR_f; -xR_f]; padded tokens take bucket prod(factors)."""
     b, h, n, _ = qk.shape
     with torch.no_grad():
-        if n_buckets == 1:
-            buckets = torch.zeros(b, h, rotations.shape[2], n, dtype=torch.long, device=qk.device)
-        else:
-            rotated = torch.einsum("bhnd,hdrk->bhrnk", qk, rotations.to(qk.dtype))  # [B, H, R, N, nb/2]
-            buckets = torch.cat([rotated, -rotated], dim=-1).argmax(dim=-1)
+        buckets = torch.zeros(b, h, rotations.shape[2], n, dtype=torch.long, device=qk.device)
+        if factors != (1,):
+            rotated = torch.einsum("bhnd,hdrk->bhrnk", qk, rotations.to(qk.dtype))  # [B, H, R, N, sum f/2]
+            start, scale = 0, 1
+            for f in factors:
+                part = rotated[..., start : start + f // 2]
+                buckets += scale * torch.cat([part, -part], dim=-1).argmax(dim=-1)
+                start, scale = start + f // 2, scale * f
         if mask is not None:
-            buckets = buckets.masked_fill(~mask[:, None, None, :], n_buckets)
+            buckets = buckets.masked_fill(~mask[:, None, None, :], math.prod(factors))
     return buckets
 
 
@@ -126,13 +141,15 @@ class ReformerAttention(Attention):
         super().__init__(dims, cfg)
         if cfg.n_hashes < 1 or cfg.chunk_size < 1:
             raise AttentionError(f"reformer needs n_hashes >= 1 and chunk_size >= 1; got {cfg.n_hashes}, {cfg.chunk_size}")
-        self.n_buckets = default_buckets(dims.max_len, cfg.chunk_size) if cfg.n_buckets is None else cfg.n_buckets
-        if self.n_buckets < 1 or (self.n_buckets > 1 and self.n_buckets % 2):
-            raise AttentionError(f"reformer n_buckets must be 1 or even (argmax over [xR; -xR]); got {self.n_buckets}")
+        nb = cfg.n_buckets
+        if nb is not None and (nb < 1 or (nb > 1 and nb % 2)):
+            raise AttentionError(f"reformer n_buckets must be 1 or even (argmax over [xR; -xR]); got {nb}")
+        self.factors = default_buckets(dims.max_len, cfg.chunk_size) if nb is None else (nb,)
+        self.n_buckets = math.prod(self.factors)
         gen = torch.Generator().manual_seed(cfg.seed)
-        # [H, D, R, nb/2]: one rotation per head and round, as HF's random_rotations
-        self.register_buffer("rotations", torch.randn(dims.num_heads, dims.head_dim, cfg.n_hashes, self.n_buckets // 2,
-                                                      generator=gen))
+        # [H, D, R, sum(factors) / 2]: one rotation per head and round, as HF's random_rotations
+        self.register_buffer("rotations", torch.randn(dims.num_heads, dims.head_dim, cfg.n_hashes,
+                                                      sum(self.factors) // 2, generator=gen))
 
     def budget(self) -> str:
         c = min(self.cfg.chunk_size, self.dims.max_len)
@@ -140,14 +157,14 @@ class ReformerAttention(Attention):
 
     @classmethod
     def flops(cls, cfg: ReformerConfig, n: int, d: int) -> Optional[Tuple[float, float]]:
-        nb = default_buckets(n, cfg.chunk_size) if cfg.n_buckets is None else cfg.n_buckets
-        hashing = 1.0 * cfg.n_hashes * n * d * nb
+        factors = default_buckets(n, cfg.chunk_size) if cfg.n_buckets is None else (cfg.n_buckets,)
+        hashing = 1.0 * cfg.n_hashes * n * d * sum(factors)
         attend = 8.0 * cfg.n_hashes * n * min(cfg.chunk_size, n) * d
         return hashing + attend, hashing + 3 * attend
 
     def buckets(self, q: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The bucket of every token in every round [B, H, n_hashes, N] (padding: bucket n_buckets)."""
-        return hash_buckets(q, self.rotations, self.n_buckets, mask)
+        return hash_buckets(q, self.rotations, self.factors, mask)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None

@@ -18,7 +18,8 @@ n_buckets = 2 max_len / chunk rounded down to a power of two, hashed as two fact
 above 2 max(sqrt(max_len / chunk), chunk) buckets. Where this file and that code differ:
 - the paper's attention within the bucket only (HF lets a query attend every key of the two chunks,
   whatever its bucket) and its duplicate count log N_ij (HF counts a key once per round);
-- the queries q are the shared query-keys (HF's query_key is tied to W_q); the keys k are not used;
+- the queries q are the shared query-keys (HF's query_key is tied to W_q); the keys k are not used
+  (their gradient is zero);
 - padding: padded tokens take an extra last bucket (as HF) and each round is chunked on its own from
   its first sorted token, so the chunks of the real tokens do not depend on the padded length (HF
   chunks the rounds laid end to end, and the chunk before a round's first chunk is the previous
@@ -97,6 +98,20 @@ def sort_order(buckets: torch.Tensor) -> torch.Tensor:
     """Each round's token order [B, H, R, N]: by bucket, then by position."""
     n = buckets.shape[-1]
     return (buckets * n + torch.arange(n, device=buckets.device)).argsort(dim=-1)
+
+
+class UnusedKeys(torch.autograd.Function):
+    """The output, with the unused keys k in the graph: their gradient is exactly zero (not None),
+    so a caller that reads k.grad finds the true derivative."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        ctx.k_shape, ctx.k_dtype = k.shape, k.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, d_out: torch.Tensor):
+        return d_out, d_out.new_zeros(ctx.k_shape, dtype=ctx.k_dtype)
 
 
 def reference(q: torch.Tensor, v: torch.Tensor, buckets: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -210,4 +225,4 @@ class ReformerAttention(Attention):
         undo = order.argsort(dim=-1)  # [B, H, R, M]
         out = out.view(b, h, r, m, d).gather(3, undo[..., None].expand(b, h, r, m, d))
         weights = lse.view(b, h, r, m).gather(3, undo).softmax(dim=2)  # [B, H, R, M]
-        return (weights[..., None] * out).sum(2)[:, :, :n].to(q.dtype)
+        return UnusedKeys.apply((weights[..., None] * out).sum(2)[:, :, :n].to(q.dtype), k)

@@ -87,7 +87,10 @@ def hash_buckets(qk: torch.Tensor, rotations: torch.Tensor, factors: Tuple[int, 
             start, scale = 0, 1
             for f in factors:
                 part = rotated[..., start : start + f // 2]
-                buckets += scale * torch.cat([part, -part], dim=-1).argmax(dim=-1)
+                # argmax over [x; -x] without building it: the largest entry or, past it, the smallest
+                top, top_at = part.max(dim=-1)
+                low, low_at = part.min(dim=-1)
+                buckets += scale * torch.where(top >= -low, top_at, low_at + f // 2)
                 start, scale = start + f // 2, scale * f
         if mask is not None:
             buckets = buckets.masked_fill(~mask[:, None, None, :], math.prod(factors))
@@ -191,8 +194,8 @@ class ReformerAttention(Attention):
         # the sequence filled to whole chunks with padding tokens (bucket n_buckets, sorted last)
         pad = -n % c
         m, chunks = n + pad, (n + pad) // c
-        qk, v = F.pad(q, (0, 0, 0, pad)), F.pad(v.to(q.dtype), (0, 0, 0, pad))
-        buckets = F.pad(buckets, (0, pad), value=self.n_buckets)
+        qk, v = (F.pad(q, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))) if pad else (q, v)
+        buckets = F.pad(buckets, (0, pad), value=self.n_buckets) if pad else buckets
         # 1. each round's order: by bucket, then position
         order = sort_order(buckets)  # [B, H, R, M]
 
@@ -204,25 +207,35 @@ class ReformerAttention(Attention):
             return torch.cat([x, x.roll(1, dims=3)], dim=4)
 
         # 2. per chunk: its queries, and the keys of the chunk and the one before
-        sq, sk, sv = sort(qk.to(acc)), sort(shared_keys(qk).to(acc)), sort(v)  # [B, H, R, chunks, c, D]
-        table = sort(buckets.transpose(2, 3))  # [B, H, R, chunks, c, R] every round's bucket of each token
-        own = buckets.gather(3, order).view(b, h, r, chunks, c)  # [B, H, R, chunks, c]
-        before = own.roll(1, dims=3)
-        # the first chunk has none before it: bucket -1 matches no query
-        before[:, :, :, 0] = -1
-        key_bucket = torch.cat([own, before], dim=4)  # [B, H, R, chunks, 2c]
-        position = order.view(b, h, r, chunks, c)
+        sq, sk, sv = sort(qk.to(acc)), sort(shared_keys(qk).to(acc)), sort(v.to(acc))  # [B, H, R, chunks, c, D]
         scores = sq @ window(sk).transpose(-1, -2)  # [B, H, R, chunks, c, 2c]
-        self_pair = position[..., :, None] == window(position)[..., None, :]
-        scores = scores - SELF_PENALTY * self_pair
-        if r > 1:
-            shared = (table[..., :, None, :] == window(table)[..., None, :, :]).sum(-1)  # [B, H, R, chunks, c, 2c]
-            scores = scores - shared.clamp_min(1).to(acc).log()
-        scores = scores.masked_fill(own[..., :, None] != key_bucket[..., None, :], float("-inf"))
-        lse = scores.logsumexp(-1)  # [B, H, R, chunks, c]
-        out = (scores - lse[..., None]).exp() @ window(sv).to(acc)  # [B, H, R, chunks, c, D]
+        with torch.no_grad():
+            own = buckets.gather(3, order).view(b, h, r, chunks, c)  # [B, H, R, chunks, c]
+            before = own.roll(1, dims=3)
+            # the first chunk has none before it: bucket -1 matches no query
+            before[:, :, :, 0] = -1
+            apart = own[..., :, None] != torch.cat([own, before], dim=4)[..., None, :]  # [B, H, R, chunks, c, 2c]
+            bias = torch.zeros(apart.shape, dtype=acc, device=q.device)
+            if r > 1:
+                # the rounds in which query and key share a bucket (N_ij), then -log N_ij
+                rounds = sort(buckets.transpose(2, 3))  # [B, H, R, chunks, c, R]
+                key_rounds = window(rounds)
+                shared = torch.zeros(apart.shape, dtype=torch.uint8, device=q.device)
+                for t in range(r):
+                    shared += rounds[..., :, None, t] == key_rounds[..., None, :, t]
+                # (a value at a time: a log over the whole tensor costs more than these few passes)
+                for count in range(2, r + 1):
+                    bias.masked_fill_(shared == count, -math.log(count))
+            bias.masked_fill_(apart, float("-inf"))
+            # a token meets itself on the diagonal of its own chunk
+            bias.diagonal(dim1=-2, dim2=-1).sub_(SELF_PENALTY)
+        scores = scores + bias
+        probs = scores.softmax(-1)
+        # logsumexp from the largest score and its weight, exp(top - lse): no second pass of exp
+        lse = scores.amax(-1) - probs.amax(-1).log()  # [B, H, R, chunks, c]
+        out = probs @ window(sv)  # [B, H, R, chunks, c, D]
         # 3. back to positions; rounds weighted by softmax of their logsumexp
-        undo = order.argsort(dim=-1)  # [B, H, R, M]
+        undo = torch.empty_like(order).scatter_(-1, order, torch.arange(m, device=q.device).expand_as(order))
         out = out.view(b, h, r, m, d).gather(3, undo[..., None].expand(b, h, r, m, d))
         weights = lse.view(b, h, r, m).gather(3, undo).softmax(dim=2)  # [B, H, R, M]
         return UnusedKeys.apply((weights[..., None] * out).sum(2)[:, :, :n].to(q.dtype), k)

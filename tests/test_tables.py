@@ -269,4 +269,4 @@ def test_a_reader_that_stops_early_gets_no_traceback(tmp_path: Path) -> None:
                f"--out {tmp_path / 'tables'} --no-plots | head -c 10; exit ${{PIPESTATUS[0]}}")
     done = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
     assert done.returncode == 0 and "Traceback" not in done.stderr and "Error" not in done.stderr, done.stderr
-    assert sorted(p.name for p in (tmp_path / "tables").glob("*.md")) == ["accuracy.md", "efficiency.md", "taxonomy.md"]
+    assert sorted(p.name for p in (tmp_path / "tables").glob("*.md")) == ["accuracy.md", "efficiency.md", "published.md", "taxonomy.md"]

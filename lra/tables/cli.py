@@ -5,8 +5,9 @@
 Reads ``<runs>/*/record.json`` (schema in ``lra/run/record.py``; by default the committed reference
 records in results/runs, never a user's ./runs unless named) and prints our numbers beside the
 published ones (``lra/reference/published_lra.csv`` and ``published_efficiency.csv``, package data). Writes
-``<out>/{accuracy,efficiency,taxonomy,throughput}.{md,csv,tex}`` and two PNG plots of the LRA
-records, and, when MQAR records are among them, ``recall.{md,csv,tex}`` and ``recall_vs_pairs.png``
+``<out>/{accuracy,efficiency,taxonomy,throughput}.{md,csv,tex}``, ``published.{md,csv,tex}`` (each
+published row under the suite's backend of the same mechanism, with its protocol and notes:
+``published.py``), two PNG plots of the LRA records, and, when MQAR records are among them, ``recall.{md,csv,tex}`` and ``recall_vs_pairs.png``
 (accuracy per backend and number of key-value pairs; ``recall.py``), each file atomically, and
 prints the Markdown tables. A diverged run shows as "diverged", never as a number. The accuracy,
 efficiency and recall tables name every record they used and every one they left out (unreadable,
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import csv
 import math
-import statistics
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -28,13 +28,16 @@ from ..errors import UserError
 from .efficiency import efficiency_table, published_efficiency_table
 from ..format import MISSING, Table, backend_order, fmt_number, markdown, write_tables
 from ..files import check_folder_arg, package_data
+from .published import published_table
 from .recall import TASK as RECALL_TASK, recall_cells, recall_table
 from .records import load_records, shown
-from .summary import AVG_TASKS, SOURCES, TITLES, Summary, grouped, seeds_text, summarize, task_list
+from .summary import SOURCES, TITLES, Summary, average, grouped, published_value, seeds_text, summarize, task_list
 from .taxonomy import taxonomy_table
 from .throughput import throughput_tables
 
 REFERENCE_FILES = ("published_lra.csv", "published_efficiency.csv")
+# the notes on published rows (what their code did that moves their numbers), beside them
+NOTES_FILE = "published_notes.csv"
 
 
 def find_reference(explicit: Optional[str]) -> Tuple[Optional[Path], List[Path]]:
@@ -61,11 +64,6 @@ def read_csv(path: Path) -> List[Dict[str, str]]:
         raise UserError(f"cannot read {path}: {err}")
 
 
-def average(summaries: Dict[str, Summary]) -> Optional[float]:
-    means = [summaries[t].mean if t in summaries else None for t in AVG_TASKS]
-    return None if any(m is None for m in means) else statistics.fmean(means)  # type: ignore[arg-type]
-
-
 def our_accuracy_rows(records: List[Dict[str, Any]], tasks: List[str], table: Table) -> List[Dict[str, Any]]:
     """Append one row per (preset, backend) and a majority-class row per preset; return the CSV rows."""
     long: List[Dict[str, Any]] = []
@@ -87,15 +85,6 @@ def our_accuracy_rows(records: List[Dict[str, Any]], tasks: List[str], table: Ta
         table.rows.append(["majority class", "this suite", protocol, MISSING,
                            *(majority[t].text() if t in majority else MISSING for t in tasks), fmt_number(average(majority))])
     return long
-
-
-def published_value(row: Dict[str, str], column: str) -> Optional[float]:
-    # the CSV names Path-X's column path_x
-    text = (row.get("path_x" if column == "pathx" else column) or "").strip()
-    try:
-        return float(text) if text else None
-    except ValueError:
-        raise UserError(f"published_lra.csv: {column} of {row.get('model')!r} is {text!r}, not a number")
 
 
 def published_accuracy_rows(published: List[Dict[str, str]], tasks: List[str], table: Table) -> List[Dict[str, Any]]:
@@ -213,6 +202,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             outputs[stem][0].notes += selection.of_tasks(lambda task: task != RECALL_TASK).notes()
         if published_eff:
             outputs["efficiency"].append(published_efficiency_table(published_eff, shown(eff_file)))
+    if published_acc:
+        notes = read_csv(reference / NOTES_FILE) if reference is not None else []
+        outputs["published"] = [published_table(lra, published_acc, notes, shown(acc_file))]
     if recall:
         outputs["recall"] = [recall_table(recall)]
         outputs["recall"][0].notes += selection.of_tasks(lambda task: task == RECALL_TASK).notes()

@@ -7,6 +7,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from ..errors import UserError
 from ..format import MISSING
 
 TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
@@ -69,3 +70,17 @@ def grouped(records: List[Dict[str, Any]]) -> Dict[Tuple[str, str, str], List[Di
 def task_list(records: List[Dict[str, Any]]) -> List[str]:
     """The six LRA tasks, then any other task named in records."""
     return list(TASKS) + sorted({r["task"] for r in records} - set(TASKS))
+
+
+def average(summaries: Dict[str, Summary]) -> Optional[float]:
+    means = [summaries[t].mean if t in summaries else None for t in AVG_TASKS]
+    return None if any(m is None for m in means) else statistics.fmean(means)  # type: ignore[arg-type]
+
+
+def published_value(row: Dict[str, str], column: str) -> Optional[float]:
+    # the CSV names Path-X's column path_x
+    text = (row.get("path_x" if column == "pathx" else column) or "").strip()
+    try:
+        return float(text) if text else None
+    except ValueError:
+        raise UserError(f"published_lra.csv: {column} of {row.get('model')!r} is {text!r}, not a number")

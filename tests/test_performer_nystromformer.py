@@ -152,6 +152,14 @@ def test_performer_features_are_orthogonal_gaussian_blocks() -> None:
     assert lengths.std() > 0.1 and 2.5 < float(lengths.mean()) < 5.5
 
 
+def test_performer_blocks_are_haar_distributed() -> None:
+    """A plain QR factor's first column points to the same side of its first axis every time (LAPACK's
+    sign convention), which biases the kernel estimate; a Haar block's is + or - with equal chance."""
+    w = performer.orthogonal_features(4000 * 4, 4, torch.Generator().manual_seed(0))  # [4000 blocks x 4, 4]
+    first = w.reshape(4000, 4, 4)[:, 0, 0]
+    assert 0.45 < float((first > 0).double().mean()) < 0.55
+
+
 def test_performer_features_are_a_seeded_buffer_a_checkpoint_reloads() -> None:
     torch.manual_seed(3)
     first = build_attention("performer", num_heads=H, head_dim=D, max_len=N, features=32)
@@ -190,7 +198,7 @@ def test_performer_slice_of_queries_is_the_slice_of_the_whole() -> None:
     torch.manual_seed(0)
     attn = build_attention("performer", num_heads=H, head_dim=D, max_len=N, features=32)
     q, k, v = make_qkv(N, torch.float32)
-    torch.testing.assert_close(attn.attend(q[:, :, 5:17], k, v), attn(q, k, v)[:, :, 5:17])
+    torch.testing.assert_close(attn.favor(q[:, :, 5:17], k, v, None), attn(q, k, v)[:, :, 5:17])
 
 
 @pytest.mark.parametrize(

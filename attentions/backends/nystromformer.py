@@ -17,8 +17,8 @@ outputs do not depend on padding. The authors' LRA code (mlpen/Nystromformer
   multiple of m), so the landmarks and the normalisers of softmax(Q K~^T) and softmax(Q~ K~^T) depend
   on how much padding there is;
 - its pseudo-inverse starts from A^T / the largest column sum over the whole batch and all heads
-  (its per-head option is never read: the config key is misspelled), coupling the sequences of a
-  batch; the paper's Z0 = A^T / (||A||_1 ||A||_inf) is per matrix, as here;
+  (its per-head option is out of reach: the code checks one config key and reads another), coupling
+  the sequences of a batch; the paper's Z0 = A^T / (||A||_1 ||A||_inf) is per matrix, as here;
 - with m = N it switches to exact softmax attention; here the Nystrom path runs, and reduces to full
   attention as the pseudo-inverse converges.
 """

@@ -8,7 +8,7 @@ phi(q_i) S / (phi(q_i) . z). Cost O(N m D) time, O(m D) state per head; every qu
 real keys through the m features. ``kernel="relu"`` is the paper's generalised kernel
 phi(x) = relu(W x') + 0.001. The features are drawn once from torch's generator (the run's seed) into
 a buffer, so a checkpoint reloads them; ``redraw_interval`` > 0 redraws them every that many training
-calls (off for the LRA protocol, as in the authors' PyTorch LRA code).
+calls (off for the LRA protocol, as in Skyformer's LRA code).
 
 Where the authors' LRA code (google-research/performer ``fast_attention.py``; the PyTorch LRA runs
 vendor lucidrains/performer-pytorch ``performer_pytorch.py``) differs from the paper, this follows
@@ -19,6 +19,9 @@ the paper:
 - the key stabiliser exp(-max) and the eps = 1e-4 added to every feature are theirs; their max is
   over the whole batch of keys, which couples the sequences of a batch through eps. Here it is the
   max over each sequence's real keys, per head.
+- their blocks are plain QR factors, which are not Haar-distributed, so the kernel estimate keeps a
+  bias that more features do not remove; here R's diagonal signs are moved into Q (unbiased, as the
+  paper's estimator needs).
 - mlpen/Nystromformer and pkuzengqi/Skyformer pass kernel "relu" / "exp" without
   ``generalized_attention``: their published Performer rows are FAVOR+ softmax whatever the config
   names. Skyformer's wrapper also scales q and k by D^-1/4 before the kernel scales them again, so its
@@ -46,13 +49,12 @@ def orthogonal_features(features: int, dim: int, generator: Optional[torch.Gener
     The signs of R's diagonal are moved into Q, which makes Q Haar-distributed (Mezzadri 2007); the
     plain QR factor is not, and its features estimate the kernel with a bias that more features do
     not remove."""
-    blocks = []
-    for start in range(0, features, dim):
-        q, r = torch.linalg.qr(torch.randn(dim, dim, generator=generator))
-        q = q * torch.diagonal(r).sign()
-        blocks.append(q.T[: features - start])
+    blocks = -(-features // dim)
+    q, r = torch.linalg.qr(torch.randn(blocks, dim, dim, generator=generator))  # [blocks, D, D]
+    q = q * torch.diagonal(r, dim1=-2, dim2=-1).sign()[:, None, :]
+    rows = q.transpose(-1, -2).reshape(blocks * dim, dim)[:features]  # [m, D]
     lengths = torch.randn(features, dim, generator=generator).norm(dim=1)  # [m]
-    return lengths[:, None] * torch.cat(blocks)
+    return lengths[:, None] * rows
 
 
 def softmax_features(
@@ -105,7 +107,6 @@ class PerformerAttention(Attention):
     published_as = ("Performer", "Favor-256")
     Config = PerformerConfig
     cost = "O(N m D)"
-    independent_queries = True
     taxonomy = Taxonomy(
         scaling="compression",
         expert_count="1",
@@ -160,12 +161,11 @@ class PerformerAttention(Attention):
             if int(self.calls) >= self.cfg.redraw_interval:
                 self.redraw()
             self.calls += 1
-        return self.attend(q, k, v, mask)
+        return self.favor(q, k, v, mask)
 
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
-        """q [B, H, S, D] over k, v [B, H, N, D] (mask [B, N] over the keys) -> [B, H, S, D]."""
+    def favor(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """q [B, H, S, D] over k, v [B, H, N, D] (mask [B, N] over the keys) -> [B, H, S, D]. The key
+        state costs O(N m D) whatever S is, so a slice of queries is no cheaper: no ``attend``."""
         b, _, n, _ = k.shape
         real = torch.ones(b, 1, n, 1, dtype=torch.bool, device=k.device) if mask is None else mask[:, None, :, None]
         # zeroed padded keys keep exp() finite there; their features are then dropped

@@ -24,8 +24,8 @@ from typing import Any, Callable, Dict, List, Type
 from .base import Attention, AttentionError, AttnDims
 
 # the modules of attentions/backends/ that register the built-in backends, imported on first use
-BUILTINS = ("full", "linear", "linformer", "moba", "topk", "agent", "mita", "local", "sparse_transformer", "longformer",
-            "cosformer", "synthesizer", "reformer", "informer")
+BUILTINS = ("full", "linear", "linformer", "moba", "topk", "agent", "mita", "local", "sparse_transformer",
+            "longformer", "cosformer", "synthesizer", "reformer", "informer", "performer", "nystromformer")
 
 _REGISTRY: Dict[str, Type[Attention]] = {}
 _builtins_loaded = False

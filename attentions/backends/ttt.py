@@ -58,10 +58,11 @@ class TTTMLPConfig(TTTLinearConfig):
 
 class InnerLearner(nn.Module):
     """One scan's learned pieces: the initial weights W0 (W1, b1[, W2, b2]), the inner layer norm, the
-    learning-rate gate and the per-place offsets, initialised as the authors do."""
+    learning-rate gate and (``average``) the per-place offsets, initialised as the authors do."""
 
-    def __init__(self, heads: int, dim: int, hidden: Optional[int], mini_batch: int) -> None:
+    def __init__(self, heads: int, dim: int, hidden: Optional[int], mini_batch: int, average: bool) -> None:
         super().__init__()
+        self.mini_batch = mini_batch
         widths = [dim, dim] if hidden is None else [dim, hidden, dim]
         self.names = []
         for i, (a, b) in enumerate(zip(widths, widths[1:]), start=1):
@@ -72,7 +73,7 @@ class InnerLearner(nn.Module):
         self.ln_bias = nn.Parameter(torch.zeros(heads, 1, dim))
         self.lr_weight = nn.Parameter(torch.randn(heads, dim) * 0.02)
         self.lr_bias = nn.Parameter(torch.zeros(heads))
-        self.token_offset = nn.Parameter(torch.zeros(mini_batch))
+        self.token_offset = nn.Parameter(torch.zeros(mini_batch)) if average else None
 
     def initial_state(self) -> Tuple[torch.Tensor, ...]:
         return tuple(getattr(self, name) for name in self.names)
@@ -82,12 +83,14 @@ class InnerLearner(nn.Module):
         gate = torch.einsum("bhnd,hd->bhn", k, self.lr_weight) + self.lr_bias[:, None]
         return base_lr * torch.sigmoid(gate) / k.shape[-1]
 
-    def token_scale(self, average: bool) -> torch.Tensor:
-        """The factor [K] on the summed steps at each place of a mini-batch."""
-        places = torch.arange(1, self.token_offset.shape[0] + 1, dtype=self.token_offset.dtype)
-        if not average:
-            return torch.ones_like(self.token_offset)
-        return torch.clamp_min(1.0 / places.to(self.token_offset.device) + self.token_offset, 0.0)
+    def token_scale(self) -> torch.Tensor:
+        """The factor [K] on the summed steps at each place of a mini-batch: 1 (the paper's sum), or the
+        authors' 1/t + a learned offset, clamped at 0."""
+        like = self.lr_bias
+        if self.token_offset is None:
+            return like.new_ones(self.mini_batch)
+        places = torch.arange(1, self.mini_batch + 1, dtype=like.dtype, device=like.device)
+        return torch.clamp_min(1.0 / places + self.token_offset, 0.0)
 
 
 class TTTAttention(Attention):
@@ -109,7 +112,7 @@ class TTTAttention(Attention):
         d = dims.head_dim
         hidden = None if self.hidden is None else self.hidden * d
         scans = 2 if cfg.bidirectional else 1
-        self.scans = nn.ModuleList(InnerLearner(dims.num_heads, d, hidden, cfg.mini_batch) for _ in range(scans))
+        self.scans = nn.ModuleList(InnerLearner(dims.num_heads, d, hidden, cfg.mini_batch, cfg.token_average) for _ in range(scans))
 
     def budget(self) -> str:
         d = self.dims.head_dim
@@ -134,7 +137,7 @@ class TTTAttention(Attention):
             q, k, v = (x.gather(2, index) for x in (q, k, v))
         out = FORMS[self.cfg.form](
             q, k, v, learner.initial_state(), learner.ln_weight, learner.ln_bias,
-            learner.learning_rate(k, self.cfg.base_lr), learner.token_scale(self.cfg.token_average), self.cfg.eps,
+            learner.learning_rate(k, self.cfg.base_lr), learner.token_scale(), self.cfg.eps,
         )
         if order is None:
             return out

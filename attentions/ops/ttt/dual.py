@@ -95,8 +95,9 @@ def dual_form(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Sequence
     weights: State = tuple(w.expand(b, *w.shape) for w in state)  # [B, H, ...]
     ln = (ln_weight, ln_bias)
     outputs: List[torch.Tensor] = []
-    for m in range(qm.shape[2]):
-        weights, z = step(weights, qm[:, :, m], km[:, :, m], vm[:, :, m], eta[:, :, m], read[:, :, m], ln, eps)
+    # unbind, not indexing: the backward of one unbind is one stack, that of M indexings M full-size sums
+    for qb, kb, vb, eb, rb in zip(*(x.unbind(dim=2) for x in (qm, km, vm, eta, read))):
+        weights, z = step(weights, qb, kb, vb, eb, rb, ln, eps)
         outputs.append(z)
     z = torch.stack(outputs, dim=2).flatten(2, 3)[:, :, :n]  # [B, H, N, D]
     return q + layer_norm(z, ln_weight, ln_bias, eps)

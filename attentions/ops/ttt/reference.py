@@ -55,8 +55,7 @@ def primal_form(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Sequen
     weights: List[torch.Tensor] = [w.expand(b, *w.shape) for w in state]  # [B, H, ...]
     outputs = []
     with torch.enable_grad():
-        for m in range(qm.shape[2]):
-            qb, kb, vb, lb = qm[:, :, m], km[:, :, m], vm[:, :, m], lrm[:, :, m]
+        for qb, kb, vb, lb in zip(*(x.unbind(dim=2) for x in (qm, km, vm, lrm))):
             # 1. every key's gradient at the mini-batch's starting weights
             copies = [per_token(w, size) for w in weights]
             loss = 0.5 * (inner_model(copies, kb, ln_weight, ln_bias, eps) - vb).pow(2).sum()

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 def layer_norm(z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """Layer norm over the last dim with per-head affine weights (``weight``, ``bias`` broadcast
     against ``z``, e.g. [H, 1, D] against [B, H, N, D])."""
-    mean = z.mean(dim=-1, keepdim=True)
-    var = z.var(dim=-1, unbiased=False, keepdim=True)
-    return (z - mean) / torch.sqrt(var + eps) * weight + bias
+    centred = z - z.mean(dim=-1, keepdim=True)
+    var = (centred * centred).mean(dim=-1, keepdim=True)
+    return centred / torch.sqrt(var + eps) * weight + bias
 
 
 def mini_batches(x: torch.Tensor, size: int) -> torch.Tensor:

@@ -29,9 +29,9 @@ def ln_l2_grad(z: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, bias
                eps: float) -> torch.Tensor:
     """d/dz of 1/2 ||LN(z) - target||^2, per row: with x = (z - mean) / std and e = (LN(z) - target) * weight,
     the layer norm's backward is (e - mean(e) - x * mean(e * x)) / std."""
-    mean = z.mean(dim=-1, keepdim=True)
-    std = torch.sqrt(z.var(dim=-1, unbiased=False, keepdim=True) + eps)
-    x = (z - mean) / std
+    centred = z - z.mean(dim=-1, keepdim=True)
+    std = torch.sqrt((centred * centred).mean(dim=-1, keepdim=True) + eps)
+    x = centred / std
     e = (x * weight + bias - target) * weight
     return (e - e.mean(dim=-1, keepdim=True) - x * (e * x).mean(dim=-1, keepdim=True)) / std
 

@@ -8,6 +8,7 @@ landmark/        MiTA's landmark pooling, landmark pass and routing; MiTA's defa
 topk_selection/  top-k along the last dim, in no order
 row_products/    products with k table rows chosen per query (Top-k attention)
 block_gate/      MoBA's choice of key blocks
+ttt/             Test-Time Training's inner loop: the primal form (reference) and the dual form
 native.py        builds and loads the C kernels (cc on first use, cached; none without a compiler)
 tuning.py        host tuning: chunk and batch sizes that set speed and memory, never results
 """

@@ -76,32 +76,32 @@ def reference(
     for row, length in enumerate(real_lengths(mask, b, n, q.device).tolist()):
         m = -(-length // block_size)
         spans = [slice(i * block_size, min((i + 1) * block_size, length)) for i in range(m)]
-        for head in range(h):
-            qs, ks, vs = q[row, head], k[row, head], v[row, head]
-            # 1. sort logits from each block's key sum, then Sinkhorn balancing
-            pooled = torch.stack([ks[s].sum(0) for s in spans])  # [m, D]
-            log_s = (pooled @ sort_weight[:m].T) / temperature  # [m, m]
-            if iters == 0:
-                log_s = log_s.log_softmax(-1)
-            for _ in range(iters):
-                log_s = log_s - log_s.logsumexp(-1, keepdim=True)
-                log_s = log_s - log_s.logsumexp(0, keepdim=True)
-            s = log_s.exp()
-            # 2. block i's sorted keys and values: sum_j S_ij (block j), padded slots of a short block as zeros
-            blocks_k = torch.zeros(m, block_size, d, dtype=q.dtype)
-            blocks_v, slot_real = torch.zeros_like(blocks_k), torch.zeros(m, block_size, dtype=q.dtype)
-            for j, sj in enumerate(spans):
-                width = sj.stop - sj.start
-                blocks_k[j, :width], blocks_v[j, :width], slot_real[j, :width] = ks[sj], vs[sj], 1.0
-            sorted_k, sorted_v = torch.einsum("ij,jsd->isd", s, blocks_k), torch.einsum("ij,jsd->isd", s, blocks_v)
-            fed = torch.einsum("ij,js->is", s, slot_real) > 0  # [m, b] slots some real token feeds
-            # 3. each query block attends to its sorted block (and to itself when local)
-            for i, si in enumerate(spans):
-                scores = qs[si] @ sorted_k[i].T / math.sqrt(d)
-                y = scores.masked_fill(~fed[i], float("-inf")).softmax(-1) @ sorted_v[i]
-                if local:
-                    y = y + (qs[si] @ ks[si].T / math.sqrt(d)).softmax(-1) @ vs[si]
-                out[row, head, si] = y
+        qs, ks, vs = q[row], k[row], v[row]  # [H, N, D]
+        # 1. sort logits from each block's key sum, then Sinkhorn balancing
+        pooled = torch.stack([ks[:, s].sum(1) for s in spans], 1)  # [H, m, D]
+        log_s = (pooled @ sort_weight[:m].T) / temperature  # [H, m, m]
+        if iters == 0:
+            log_s = log_s.log_softmax(-1)
+        for _ in range(iters):
+            log_s = log_s - log_s.logsumexp(-1, keepdim=True)
+            log_s = log_s - log_s.logsumexp(-2, keepdim=True)
+        s = log_s.exp()
+        # 2. block i's sorted keys and values: sum_j S_ij (block j), the missing slots of a short block as zeros
+        blocks_k = torch.zeros(h, m, block_size, d, dtype=q.dtype)
+        blocks_v, slot_real = torch.zeros_like(blocks_k), torch.zeros(m, block_size, dtype=q.dtype)
+        for j, sj in enumerate(spans):
+            width = sj.stop - sj.start
+            blocks_k[:, j, :width], blocks_v[:, j, :width], slot_real[j, :width] = ks[:, sj], vs[:, sj], 1.0
+        sorted_k = torch.einsum("hij,hjsd->hisd", s, blocks_k)
+        sorted_v = torch.einsum("hij,hjsd->hisd", s, blocks_v)
+        fed = torch.einsum("hij,js->his", s, slot_real) > 0  # [H, m, b] slots some real token feeds
+        # 3. each query block attends to its sorted block (and to itself when local)
+        for i, si in enumerate(spans):
+            scores = qs[:, si] @ sorted_k[:, i].transpose(-1, -2) / math.sqrt(d)
+            y = scores.masked_fill(~fed[:, i, None, :], float("-inf")).softmax(-1) @ sorted_v[:, i]
+            if local:
+                y = y + (qs[:, si] @ ks[:, si].transpose(-1, -2) / math.sqrt(d)).softmax(-1) @ vs[:, si]
+            out[row, :, si] = y
     return out
 
 

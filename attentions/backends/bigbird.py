@@ -33,6 +33,8 @@ from ..registry import register
 
 # random draws are integers in [0, 2^31): an integer buffer survives module.to(dtype) unchanged
 DRAW_BITS = 31
+# the score of a key a query does not reach: exp(MASKED - max) is exactly 0 in float32 and float64
+MASKED = -1e9
 
 
 @dataclass
@@ -153,27 +155,27 @@ class BigBirdAttention(Attention):
         pad = blocks * size - n
         lengths = real_lengths(mask, b, n, q.device)
         real = F.pad(torch.arange(n, device=q.device)[None] < lengths[:, None], (0, pad))  # [B, blocks * size]
-        qb, kb, vb = (F.pad(x, (0, 0, 0, pad)).view(b, h, blocks, size, d) for x in (q, k, v))  # [B, H, blocks, b, D]
+        # the scale on the queries (N D work) rather than on the scores (N (5 + r) b work)
+        qb, kb, vb = (F.pad(x, (0, 0, 0, pad)) if pad else x for x in (q * (1 / math.sqrt(d)), k, v))
+        qb, kb, vb = (x.reshape(b, h, blocks, size, d) for x in (qb, kb, vb))  # [B, H, blocks, b, D]
         index, used = block_pattern(lengths, blocks, size, self.draws)  # [B, blocks, H, S]
         slots = index.shape[-1]
         index = index.permute(0, 2, 1, 3)  # [B, H, blocks, S]
-        bi = torch.arange(b, device=q.device)[:, None, None, None]
-        hi = torch.arange(h, device=q.device)[None, :, None, None]
+        rows = torch.arange(b, device=q.device)
+        bi, hi = rows[:, None, None, None], torch.arange(h, device=q.device)[None, :, None, None]
         keys = kb[bi, hi, index].view(b, h, blocks, slots * size, d)  # [B, H, blocks, S b, D]
         values = vb[bi, hi, index].view(b, h, blocks, slots * size, d)
-        key_ok = real.view(b, 1, blocks, size)[torch.arange(b, device=q.device)[:, None, None, None], 0, index]
-        key_ok = (key_ok & used.permute(0, 2, 1, 3)[..., None]).view(b, h, blocks, 1, slots * size)
-        scores = qb @ keys.transpose(-1, -2) / math.sqrt(d)  # [B, H, blocks, b, S b]
-        scores = scores.masked_fill(~key_ok, torch.finfo(scores.dtype).min)
-        out = (scores.softmax(-1) @ values).transpose(1, 2)  # [B, blocks, H, b, D]
+        key_ok = real.view(b, 1, blocks, size)[bi, 0, index] & used.permute(0, 2, 1, 3)[..., None]  # [B, H, blocks, S, b]
+        # masked in place with a finite low score: a row of padded queries with no key stays finite
+        scores = (qb @ keys.transpose(-1, -2)).masked_fill_(~key_ok.view(b, h, blocks, 1, slots * size), MASKED)
+        out = scores.softmax(-1) @ values  # [B, H, blocks, b, D]
         # the global blocks' queries (block 0 and the last real block) attend to every real key
         last = (lengths + size - 1).div(size, rounding_mode="floor") - 1  # [B]
-        rows = torch.arange(b, device=q.device)
         q_global = torch.stack([qb[:, :, 0], qb[rows, :, last]], 2).view(b, h, 2 * size, d)  # [B, H, 2b, D]
         k_all, v_all = kb.view(b, h, blocks * size, d), vb.view(b, h, blocks * size, d)
-        g_scores = q_global @ k_all.transpose(-1, -2) / math.sqrt(d)  # [B, H, 2b, N']
-        g_scores = g_scores.masked_fill(~real[:, None, None, :], torch.finfo(g_scores.dtype).min)
+        g_scores = (q_global @ k_all.transpose(-1, -2)).masked_fill_(~real[:, None, None, :], MASKED)  # [B, H, 2b, N']
         g_out = (g_scores.softmax(-1) @ v_all).view(b, h, 2, size, d)
-        out = out.index_put((rows, last), g_out[:, :, 1]).index_put((rows, torch.zeros_like(last)), g_out[:, :, 0])
-        out = out.transpose(1, 2).reshape(b, h, blocks * size, d)[:, :, :n]
+        at = (rows[:, None], hi[None, :, :, 0, 0])
+        out = out.index_put((*at, last[:, None]), g_out[:, :, 1]).index_put((*at, torch.zeros_like(last)[:, None]), g_out[:, :, 0])
+        out = out.view(b, h, blocks * size, d)[:, :, :n]
         return torch.where(real[:, None, :n, None], out, 0.0)

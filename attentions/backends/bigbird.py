@@ -8,10 +8,11 @@ O(N (5 + r) b D) for the sparse rows plus O(2 b N D) for the global rows; memory
 The random draws are a seeded buffer, so a checkpoint reloads the same pattern.
 
 Where the authors' code and the paper differ (the paper is followed; docs/backends.md):
-- HF transformers' block-sparse code (vendored in Skyformer ``src/models/attention_bigbird.py``,
-  which the PyTorch LRA numbers ran) draws a new pattern with ``np.random.seed(None)`` at every
-  forward; google-research/bigbird fixes it per layer. Here it is fixed, seeded and saved.
-- That code takes the last block of the padded length as global and draws from all of its
+- Skyformer's ``src/models/attention_bigbird.py`` (HF transformers' block-sparse code, which the
+  PyTorch LRA numbers ran) calls ``np.random.seed(None)`` (its config sets no ``random_seed``), so
+  the pattern changes at every forward; google-research/bigbird and the JAX LRA code fix it per
+  layer. Here it is fixed, seeded and saved.
+- Skyformer's code takes the last block of the padded length as global and draws from all of its
   blocks, so padding changes what real tokens see; here the last *real* block is global and the
   random blocks are drawn among real blocks, so padding changes nothing.
 - Its old random plan (lengths 1024, 3072, 4096) can draw a window block again for the last
@@ -33,8 +34,6 @@ from ..registry import register
 
 # random draws are integers in [0, 2^31): an integer buffer survives module.to(dtype) unchanged
 DRAW_BITS = 31
-# the score of a key a query does not reach: exp(MASKED - max) is exactly 0 in float32 and float64
-MASKED = -1e9
 
 
 @dataclass
@@ -166,14 +165,15 @@ class BigBirdAttention(Attention):
         keys = kb[bi, hi, index].view(b, h, blocks, slots * size, d)  # [B, H, blocks, S b, D]
         values = vb[bi, hi, index].view(b, h, blocks, slots * size, d)
         key_ok = real.view(b, 1, blocks, size)[bi, 0, index] & used.permute(0, 2, 1, 3)[..., None]  # [B, H, blocks, S, b]
-        # masked in place with a finite low score: a row of padded queries with no key stays finite
-        scores = (qb @ keys.transpose(-1, -2)).masked_fill_(~key_ok.view(b, h, blocks, 1, slots * size), MASKED)
+        # masked in place with the lowest finite score: a row of padded queries with no key stays finite
+        low = torch.finfo(q.dtype).min
+        scores = (qb @ keys.transpose(-1, -2)).masked_fill_(~key_ok.view(b, h, blocks, 1, slots * size), low)
         out = scores.softmax(-1) @ values  # [B, H, blocks, b, D]
         # the global blocks' queries (block 0 and the last real block) attend to every real key
         last = (lengths + size - 1).div(size, rounding_mode="floor") - 1  # [B]
         q_global = torch.stack([qb[:, :, 0], qb[rows, :, last]], 2).view(b, h, 2 * size, d)  # [B, H, 2b, D]
         k_all, v_all = kb.view(b, h, blocks * size, d), vb.view(b, h, blocks * size, d)
-        g_scores = (q_global @ k_all.transpose(-1, -2)).masked_fill_(~real[:, None, None, :], MASKED)  # [B, H, 2b, N']
+        g_scores = (q_global @ k_all.transpose(-1, -2)).masked_fill_(~real[:, None, None, :], low)  # [B, H, 2b, N']
         g_out = (g_scores.softmax(-1) @ v_all).view(b, h, 2, size, d)
         at = (rows[:, None], hi[None, :, :, 0, 0])
         out = out.index_put((*at, last[:, None]), g_out[:, :, 1]).index_put((*at, torch.zeros_like(last)[:, None]), g_out[:, :, 0])

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -139,7 +139,7 @@ class SinkhornAttention(Attention):
         return f"sorted block = {size}"
 
     @classmethod
-    def flops(cls, cfg: SinkhornConfig, n: int, d: int):
+    def flops(cls, cfg: SinkhornConfig, n: int, d: int) -> Optional[Tuple[float, float]]:
         blocks = math.ceil(n / cfg.block_size)
         attend = (2 if cfg.local else 1) * 4.0 * n * cfg.block_size * d
         forward = attend + 2.0 * blocks * d * blocks + 2 * 2.0 * blocks * blocks * cfg.block_size * d

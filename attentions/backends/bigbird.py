@@ -34,6 +34,9 @@ from ..registry import register
 
 # random draws are integers in [0, 2^31): an integer buffer survives module.to(dtype) unchanged
 DRAW_BITS = 31
+# queries whose block rows are computed at once (speed only: the gathered keys and scores of a chunk
+# stay in cache; 4096 ran the N = 64K forward about 1.7x faster than one pass on a 2-core Xeon)
+QUERIES_PER_CHUNK = 4096
 
 
 @dataclass
@@ -160,22 +163,31 @@ class BigBirdAttention(Attention):
         index, used = block_pattern(lengths, blocks, size, self.draws)  # [B, blocks, H, S]
         slots = index.shape[-1]
         index = index.permute(0, 2, 1, 3)  # [B, H, blocks, S]
+        key_ok = used.permute(0, 2, 1, 3)  # [B, H, blocks, S]
         rows = torch.arange(b, device=q.device)
         bi, hi = rows[:, None, None, None], torch.arange(h, device=q.device)[None, :, None, None]
-        keys = kb[bi, hi, index].view(b, h, blocks, slots * size, d)  # [B, H, blocks, S b, D]
-        values = vb[bi, hi, index].view(b, h, blocks, slots * size, d)
-        key_ok = real.view(b, 1, blocks, size)[bi, 0, index] & used.permute(0, 2, 1, 3)[..., None]  # [B, H, blocks, S, b]
-        # masked in place with the lowest finite score: a row of padded queries with no key stays finite
-        low = torch.finfo(q.dtype).min
-        scores = (qb @ keys.transpose(-1, -2)).masked_fill_(~key_ok.view(b, h, blocks, 1, slots * size), low)
-        out = scores.softmax(-1) @ values  # [B, H, blocks, b, D]
+        # query blocks a chunk at a time: the gathered keys and the scores stay cache-sized
+        chunk = max(1, QUERIES_PER_CHUNK // size)
+        outs = []
+        for start in range(0, blocks, chunk):
+            reached = index[:, :, start:start + chunk]  # [B, H, C, S]
+            c = reached.shape[2]
+            keys = kb[bi, hi, reached].view(b, h, c, slots * size, d)  # [B, H, C, S b, D]
+            values = vb[bi, hi, reached].view(b, h, c, slots * size, d)
+            ok = real.view(b, 1, blocks, size)[bi, 0, reached] & key_ok[:, :, start:start + chunk, :, None]  # [B, H, C, S, b]
+            scores = qb[:, :, start:start + chunk] @ keys.transpose(-1, -2)  # [B, H, C, b, S b]
+            # masked in place with the lowest finite score: a row of padded queries with no key stays finite
+            scores = scores.masked_fill_(~ok.view(b, h, c, 1, slots * size), torch.finfo(scores.dtype).min)
+            outs.append(scores.softmax(-1) @ values)
+        out = torch.cat(outs, 2) if len(outs) > 1 else outs[0]  # [B, H, blocks, b, D]
         # the global blocks' queries (block 0 and the last real block) attend to every real key
         last = (lengths + size - 1).div(size, rounding_mode="floor") - 1  # [B]
         q_global = torch.stack([qb[:, :, 0], qb[rows, :, last]], 2).view(b, h, 2 * size, d)  # [B, H, 2b, D]
         k_all, v_all = kb.view(b, h, blocks * size, d), vb.view(b, h, blocks * size, d)
-        g_scores = (q_global @ k_all.transpose(-1, -2)).masked_fill_(~real[:, None, None, :], low)  # [B, H, 2b, N']
+        g_scores = q_global @ k_all.transpose(-1, -2)  # [B, H, 2b, N']
+        g_scores = g_scores.masked_fill_(~real[:, None, None, :], torch.finfo(g_scores.dtype).min)
         g_out = (g_scores.softmax(-1) @ v_all).view(b, h, 2, size, d)
-        at = (rows[:, None], hi[None, :, :, 0, 0])
+        at = (rows[:, None], torch.arange(h, device=q.device)[None, :])  # [B, 1], [1, H]
         out = out.index_put((*at, last[:, None]), g_out[:, :, 1]).index_put((*at, torch.zeros_like(last)[:, None]), g_out[:, :, 0])
         out = out.view(b, h, blocks * size, d)[:, :, :n]
         return torch.where(real[:, None, :n, None], out, 0.0)

@@ -169,8 +169,9 @@ class SinkhornAttention(Attention):
         sorted_v = (s @ vb.view(b, h, blocks, size * d)).view(b, h, blocks, size, d)
         fed = (s @ real.view(b, 1, blocks, size).to(s.dtype)) > 0  # [B, H, M, b]
         # 3. each query block attends to its sorted block, and to itself when local
-        low = torch.finfo(q.dtype).min
-        scores = (qb @ sorted_k.transpose(-1, -2) / math.sqrt(d)).masked_fill(~fed[..., None, :], low)
+        scores = qb @ sorted_k.transpose(-1, -2) / math.sqrt(d)  # [B, H, M, b, b]
+        low = torch.finfo(scores.dtype).min
+        scores = scores.masked_fill(~fed[..., None, :], low)
         out = scores.softmax(-1) @ sorted_v  # [B, H, M, b, D]
         if cfg.local:
             scores = (qb @ kb.transpose(-1, -2) / math.sqrt(d)).masked_fill(~real.view(b, 1, blocks, 1, size), low)

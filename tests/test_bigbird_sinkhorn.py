@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from attentions import AttentionError, build_attention
+from attentions.backends import bigbird as bigbird_module
 from attentions.backends import sinkhorn
 from attentions.backends.full import reference as full_reference
 
@@ -97,14 +98,16 @@ def test_bigbird_equals_the_dense_restatement(options, masked: bool, dtype: torc
     mask = make_mask(N, LENGTHS) if masked else None
     out = attn(q, k, v, mask)
     ref = bigbird_dense(q, k, v, mask, options["block_size"], attn.draws, options["num_random_blocks"])
-    assert_close([out, *grads(out, (q, k, v), mask)], [ref, *grads(ref, (q, k, v), mask)], TOL[dtype])
+    want = [ref, *grads(ref, (q, k, v), mask)]
+    assert_close([out, *grads(out, (q, k, v), mask)], want, TOL[dtype])
+    # the blockwise reference beside the fast path agrees too
+    plain = bigbird_module.reference(q, k, v, mask, options["block_size"], attn.draws)
+    assert_close([plain, *grads(plain, (q, k, v), mask)], want, TOL[dtype])
 
 
 def test_bigbird_query_chunks_equal_the_dense_restatement(monkeypatch) -> None:
     """Query blocks computed a chunk at a time (3 blocks here; the last chunk short) give the same."""
-    from attentions.backends import bigbird as module
-
-    monkeypatch.setattr(module, "QUERIES_PER_CHUNK", 12)
+    monkeypatch.setattr(bigbird_module, "QUERIES_PER_CHUNK", 12)
     attn = bigbird(seed=4, block_size=4, num_random_blocks=2).double()
     q, k, v = make_qkv(N, torch.float64)
     mask = make_mask(N, LENGTHS)
@@ -138,11 +141,9 @@ def test_bigbird_reachability_by_perturbation() -> None:
 
 
 def test_bigbird_random_blocks_are_distinct_outside_window_and_global_and_differ_by_head() -> None:
-    from attentions.backends.bigbird import block_pattern
-
     size, r, m = 4, 3, 16
     attn = bigbird(seed=11, block_size=size, num_random_blocks=r)
-    index, used = block_pattern(torch.tensor([m * size]), m, size, attn.draws)  # [1, M, H, 8]
+    index, used = bigbird_module.block_pattern(torch.tensor([m * size]), m, size, attn.draws)  # [1, M, H, 8]
     for i in range(1, m - 1):
         for head in range(H):
             rand = index[0, i, head, 5:].tolist()

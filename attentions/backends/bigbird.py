@@ -90,23 +90,23 @@ def block_pattern(lengths: torch.Tensor, blocks: int, block_size: int, draws: to
 def reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], block_size: int, draws: torch.Tensor,
 ) -> torch.Tensor:
-    """BigBird on the full [N, N] score matrix, keys outside each query's blocks masked out."""
+    """BigBird one query block at a time: softmax over the real keys of the blocks it reaches."""
     b, h, n, d = q.shape
     lengths = real_lengths(mask, b, n, q.device)
     blocks = math.ceil(n / block_size)
-    index, used = block_pattern(lengths, blocks, block_size, draws)
-    # [B, query block, H, key block]
-    allowed_blocks = (F.one_hot(index, blocks).bool() & used[..., None]).any(-2)
-    m = -(-lengths // block_size)
-    is_global = (torch.arange(blocks)[None] == 0) | (torch.arange(blocks)[None] == (m - 1)[:, None])  # [B, blocks]
-    allowed_blocks |= is_global[:, :, None, None]
-    block_of = torch.arange(n) // block_size
-    allowed = allowed_blocks.permute(0, 2, 1, 3)[:, :, block_of][..., block_of]  # [B, H, N, N]
-    real = torch.arange(n)[None] < lengths[:, None]  # [B, N]
-    allowed &= real[:, None, None, :]
-    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
-    out = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
-    return torch.where(real[:, None, :, None], out.nan_to_num(), 0.0)
+    index, used = block_pattern(lengths, blocks, block_size, draws)  # [B, blocks, H, S]
+    out = torch.zeros_like(q)
+    for row, length in enumerate(lengths.tolist()):
+        m = -(-length // block_size)
+        for head in range(h):
+            for i in range(m):
+                # global rows (the first and the last real block) reach every block
+                reached = range(m) if i in (0, m - 1) else index[row, i, head][used[row, i, head]].tolist()
+                keys = torch.cat([torch.arange(j * block_size, min((j + 1) * block_size, length)) for j in reached])
+                rows = slice(i * block_size, min((i + 1) * block_size, length))
+                scores = q[row, head, rows] @ k[row, head, keys].T / math.sqrt(d)
+                out[row, head, rows] = scores.softmax(-1) @ v[row, head, keys]
+    return out
 
 
 @register("bigbird")

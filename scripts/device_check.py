@@ -81,10 +81,14 @@ class CudaAutocastRules(TorchFunctionMode):
 
 
 def row_errors(got: torch.Tensor, ref: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Per-row relative error over the real rows. [B, H, N, D] x 2, rows [B, N] -> [R]."""
+    """Per-row relative error over the real rows: the row's largest deviation over the larger of its own
+    scale and the median row's (a row far smaller than the others, such as the last token's value
+    gradient under a causal mechanism, moves by bf16 rounding of the inputs as much as a typical row
+    does). [B, H, N, D] x 2, rows [B, N] -> [R]."""
     got, ref = got.detach().float().cpu(), ref.detach().float().cpu()
     diff = (got - ref).abs().amax(dim=-1)  # [B, H, N]
-    scale = ref.abs().amax(dim=-1).clamp_min(1e-6)  # [B, H, N]
+    own = ref.abs().amax(dim=-1)  # [B, H, N]
+    scale = torch.maximum(own, own.transpose(1, 2)[rows].median()).clamp_min(1e-6)  # [B, H, N]
     err = diff / scale
     err[~torch.isfinite(got).all(dim=-1)] = float("inf")  # never within tolerance
     return err.transpose(1, 2)[rows].flatten()  # [R*H]

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attentions import build_attention, moba
+from attentions import build_attention
+from attentions.backends import moba
 from attentions.ops import block_gate
 from conftest import lengths_mask, rel_err
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attentions import AttentionError, build_attention, topk
+from attentions import AttentionError, build_attention
+from attentions.backends import topk
 from attentions.ops import native, row_products, topk_selection, tuning
 from attentions.ops.grouped import cpu as grouped_cpu, pick_grouped
 from attentions.ops.grouped.cpu import grouped_attention_cpu

@@ -13,7 +13,8 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 
-from attentions import AttentionError, build_attention, mita, moba
+from attentions import AttentionError, build_attention
+from attentions.backends import mita, moba
 from attentions.ops.grouped import dispatch as grouped_dispatch, pick_grouped
 from attentions.ops.grouped.reference import grouped_attention
 from attentions.ops.grouped.triton_op import grouped_attention_triton, interpreting

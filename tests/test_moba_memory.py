@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from attentions import build_attention, moba
+from attentions import build_attention
+from attentions.backends import moba
 from attentions.ops import tuning
 from conftest import lengths_mask
 

@@ -54,14 +54,15 @@ def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
 
 def authors_favor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """lucidrains/performer-pytorch softmax_kernel + linear_attention, as the PyTorch LRA code calls it:
-    keys and values zeroed at padding, one max over every key of the batch, phi(0) left in the sum."""
+    keys and values zeroed at padding, one max over every key of the batch (detached, as theirs is),
+    phi(0) left in the sum."""
     c, ratio = q.shape[-1] ** -0.25, w.shape[0] ** -0.5
     real = mask[:, None, :, None].to(q.dtype)
 
     def kernel(x: torch.Tensor, is_query: bool) -> torch.Tensor:
         dash = (c * x) @ w.T
         diag = (x**2).sum(-1, keepdim=True) / 2 * c**2
-        stabiliser = dash.amax(-1, keepdim=True) if is_query else dash.max()
+        stabiliser = (dash.amax(-1, keepdim=True) if is_query else dash.max()).detach()
         return ratio * (torch.exp(dash - diag - stabiliser) + eps)
 
     phi_q, phi_k = kernel(q, True), kernel(k * real, False)
@@ -109,9 +110,9 @@ def test_performer_padding_leaves_nothing_in_the_normaliser() -> None:
 
 
 def test_performer_relu_kernel_is_the_generalised_attention() -> None:
-    """kernel="relu": normalised relu(W x D^-1/4) + 0.001 similarities over the real keys."""
+    """feature_map="relu": normalised relu(W x D^-1/4) + 0.001 similarities over the real keys."""
     torch.manual_seed(0)
-    attn = build_attention("performer", num_heads=H, head_dim=D, max_len=N, features=24, kernel="relu").double()
+    attn = build_attention("performer", num_heads=H, head_dim=D, max_len=N, features=24, feature_map="relu").double()
     q, k, v = make_qkv(N, torch.float64)
     mask = make_mask(N, [N, 33])
     w = attn.features
@@ -203,10 +204,10 @@ def test_performer_slice_of_queries_is_the_slice_of_the_whole() -> None:
 
 @pytest.mark.parametrize(
     "overrides,match",
-    [({"features": 0}, "features must be >= 1"), ({"kernel": "exp"}, "not one of softmax, relu"),
-     ({"eps": -1.0}, "eps"), ({"kernel": "relu", "relu_eps": 0.0}, "relu_eps > 0"),
+    [({"features": 0}, "features must be >= 1"), ({"feature_map": "exp"}, "not one of softmax, relu"),
+     ({"eps": -1.0}, "eps"), ({"feature_map": "relu", "relu_eps": 0.0}, "relu_eps > 0"),
      ({"redraw_interval": -1}, "redraw_interval")],
-    ids=["features", "kernel", "eps", "relu-eps", "redraw"],
+    ids=["features", "feature-map", "eps", "relu-eps", "redraw"],
 )
 def test_performer_errors(overrides: dict, match: str) -> None:
     with pytest.raises(AttentionError, match=match):

@@ -8,7 +8,8 @@ from typing import Callable, List, Optional
 import pytest
 import torch
 
-from attentions import AttentionError, build_attention, full, moba, topk
+from attentions import AttentionError, build_attention
+from attentions.backends import full, moba, topk
 from attentions.ops import tuning
 from attentions.ops.grouped import reference as grouped
 from attentions.check import Battery, Sizes

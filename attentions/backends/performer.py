@@ -5,7 +5,7 @@ phi(x) = m^-1/2 exp(W x' - |x'|^2 / 2), x' = x D^-1/4, W [m, D] Gaussian rows or
 blocks of D (each row rescaled to a chi(D) length); keys and values fold into an m x D state
 S = sum_j phi(k_j) v_j^T and a normaliser z = sum_j phi(k_j), and query i reads
 phi(q_i) S / (phi(q_i) . z). Cost O(N m D) time, O(m D) state per head; every query reaches all N
-real keys through the m features. ``kernel="relu"`` is the paper's generalised kernel
+real keys through the m features. ``feature_map="relu"`` is the paper's generalised kernel
 phi(x) = relu(W x') + 0.001. The features are drawn once from torch's generator (the run's seed) into
 a buffer, so a checkpoint reloads them; ``redraw_interval`` > 0 redraws them every that many training
 calls (off for the LRA protocol, as in Skyformer's LRA code).
@@ -63,14 +63,16 @@ def softmax_features(
     """Positive random features of x [B, H, N, D] -> [B, H, N, m].
 
     Queries (``keys`` None) are stabilised by their own row max, keys by the max over the real keys
-    ``keys`` [B, 1, N, 1] of each sequence and head; both cancel in the ratio but for ``eps``."""
+    ``keys`` [B, 1, N, 1] of each sequence and head; both cancel in the ratio but for ``eps``, and, as
+    a numerical shift, pass no gradient (as performer-pytorch detaches it): otherwise a query's
+    gradient jumps when rounding changes which feature is its largest."""
     x = x * x.shape[-1] ** -0.25
     projected = x @ w.T  # [B, H, N, m]
     half_norm = (x * x).sum(dim=-1, keepdim=True) / 2  # [B, H, N, 1]
     if keys is None:
-        stabiliser = projected.amax(dim=-1, keepdim=True)  # [B, H, N, 1]
+        stabiliser = projected.detach().amax(dim=-1, keepdim=True)  # [B, H, N, 1]
     else:
-        stabiliser = projected.masked_fill(~keys, float("-inf")).amax(dim=(-2, -1), keepdim=True)  # [B, H, 1, 1]
+        stabiliser = projected.detach().masked_fill(~keys, float("-inf")).amax(dim=(-2, -1), keepdim=True)  # [B, H, 1, 1]
     return (torch.exp(projected - half_norm - stabiliser) + eps) * w.shape[0] ** -0.5
 
 
@@ -91,7 +93,7 @@ class PerformerConfig:
     # m: random features (google-research/performer's default)
     features: int = 256
     # "softmax" (FAVOR+) or "relu" (the generalised kernel)
-    kernel: str = "softmax"
+    feature_map: str = "softmax"
     # added to every softmax feature after the stabiliser (the authors' numerical_stabilizer)
     eps: float = 1e-4
     # added to every relu feature (the authors' kernel_epsilon)
@@ -119,12 +121,12 @@ class PerformerAttention(Attention):
         super().__init__(dims, cfg)
         if cfg.features < 1:
             raise AttentionError(f"performer features must be >= 1; got {cfg.features}")
-        if cfg.kernel not in KERNELS:
-            raise AttentionError(f"performer kernel {cfg.kernel!r} is not one of {', '.join(KERNELS)}")
+        if cfg.feature_map not in KERNELS:
+            raise AttentionError(f"performer feature_map {cfg.feature_map!r} is not one of {', '.join(KERNELS)}")
         if not (cfg.eps >= 0 and cfg.relu_eps >= 0 and math.isfinite(cfg.eps + cfg.relu_eps)):
             raise AttentionError(f"performer eps and relu_eps must be finite and >= 0; got {cfg.eps}, {cfg.relu_eps}")
-        if cfg.kernel == "relu" and cfg.relu_eps == 0:
-            raise AttentionError("performer kernel='relu' needs relu_eps > 0, or a row of zero features divides by zero")
+        if cfg.feature_map == "relu" and cfg.relu_eps == 0:
+            raise AttentionError("performer feature_map='relu' needs relu_eps > 0, or a row of zero features divides by zero")
         if cfg.redraw_interval < 0:
             raise AttentionError(f"performer redraw_interval must be >= 0 (0 = never); got {cfg.redraw_interval}")
         self.register_buffer("features", orthogonal_features(cfg.features, dims.head_dim))  # [m, D]
@@ -149,7 +151,7 @@ class PerformerAttention(Attention):
 
     def feature_map(self, x: torch.Tensor, keys: Optional[torch.Tensor] = None) -> torch.Tensor:
         w = self.features.to(x.dtype)
-        if self.cfg.kernel == "relu":
+        if self.cfg.feature_map == "relu":
             return relu_features(x, w, self.cfg.relu_eps)
         return softmax_features(x, w, self.cfg.eps, keys)
 
@@ -161,7 +163,11 @@ class PerformerAttention(Attention):
             if int(self.calls) >= self.cfg.redraw_interval:
                 self.redraw()
             self.calls += 1
-        return self.favor(q, k, v, mask)
+        # float32 at least, under autocast too: with exp features in bf16, 7% of the query gradient rows
+        # are 5-14% off (scripts/device_check.py)
+        wide = torch.promote_types(q.dtype, torch.float32)
+        with torch.autocast(q.device.type, enabled=False):
+            return self.favor(q.to(wide), k.to(wide), v.to(wide), mask).to(q.dtype)
 
     def favor(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         """q [B, H, S, D] over k, v [B, H, N, D] (mask [B, N] over the keys) -> [B, H, S, D]. The key
@@ -188,8 +194,8 @@ def reference(
     m, d = w.shape
     qs, ks = q * d**-0.25, k * d**-0.25
     uq, uk = qs @ w.T, ks @ w.T
-    phi_q = m**-0.5 * (torch.exp(uq - (qs**2).sum(-1, keepdim=True) / 2 - uq.amax(-1, keepdim=True)) + eps)
-    key_max = torch.where(real[:, None, :, None], uk, -torch.inf).amax(dim=(-2, -1), keepdim=True)
+    phi_q = m**-0.5 * (torch.exp(uq - (qs**2).sum(-1, keepdim=True) / 2 - uq.detach().amax(-1, keepdim=True)) + eps)
+    key_max = torch.where(real[:, None, :, None], uk.detach(), -torch.inf).amax(dim=(-2, -1), keepdim=True)
     phi_k = m**-0.5 * (torch.exp(uk - (ks**2).sum(-1, keepdim=True) / 2 - key_max) + eps)
     scores = phi_q @ phi_k.transpose(-1, -2) * real[:, None, None, :]  # [B, H, N, N]
     return scores @ v / scores.sum(dim=-1, keepdim=True)

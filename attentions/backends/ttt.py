@@ -132,13 +132,19 @@ class TTTAttention(Attention):
              order: Optional[torch.Tensor]) -> torch.Tensor:
         """TTT over the tokens taken in ``order`` [B, N] (None: as they are); outputs in place."""
         b, h, n, d = q.shape
+        dtype = q.dtype
         if order is not None:
             index = order[:, None, :, None].expand(b, h, n, d)
             q, k, v = (x.gather(2, index) for x in (q, k, v))
-        out = FORMS[self.cfg.form](
-            q, k, v, learner.initial_state(), learner.ln_weight, learner.ln_bias,
-            learner.learning_rate(k, self.cfg.base_lr), learner.token_scale(), self.cfg.eps,
-        )
+        # the scan in float32 under autocast too: a recurrence over N / mini_batch steps whose layer-norm
+        # backward divides by small standard deviations, which bf16 rounding blows up
+        wide = torch.promote_types(q.dtype, torch.float32)
+        with torch.autocast(q.device.type, enabled=False):
+            q, k, v = (x.to(wide) for x in (q, k, v))
+            out = FORMS[self.cfg.form](
+                q, k, v, learner.initial_state(), learner.ln_weight, learner.ln_bias,
+                learner.learning_rate(k, self.cfg.base_lr), learner.token_scale(), self.cfg.eps,
+            ).to(dtype)
         if order is None:
             return out
         return torch.empty_like(out).scatter(2, index, out)

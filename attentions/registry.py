@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Type
 from .base import Attention, AttentionError, AttnDims
 
 # the modules of attentions/backends/ that register the built-in backends, imported on first use
-BUILTINS = ("full", "linear", "linformer", "moba", "topk", "agent", "mita")
+BUILTINS = ("full", "linear", "linformer", "moba", "topk", "agent", "mita", "skyformer", "kernelized")
 
 _REGISTRY: Dict[str, Type[Attention]] = {}
 _builtins_loaded = False

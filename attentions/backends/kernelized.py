@@ -42,17 +42,19 @@ def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
     q, k = q * d**-0.25, k * d**-0.25
     half_q = 0.5 * (q * q).sum(-1, keepdim=True)  # [B, H, S, 1]
     half_k = 0.5 * (k * k).sum(-1, keepdim=True)  # [B, H, N, 1]
-    q2 = torch.cat([q, half_q, torch.ones_like(half_q)], dim=-1)  # [B, H, S, D+2]
-    k2 = torch.cat([k, torch.zeros_like(half_k), -half_k], dim=-1)  # [B, H, N, D+2]
-    null_k = torch.zeros(b, h, 1, d + 2, dtype=q.dtype, device=q.device)
+    # zero columns up to a multiple of 8 (fused kernels' alignment) change no dot product
+    extra = -(d + 2) % 8
+    q2 = F.pad(torch.cat([q, half_q, torch.ones_like(half_q)], dim=-1), (0, extra))  # [B, H, S, D']
+    k2 = F.pad(torch.cat([k, torch.zeros_like(half_k), -half_k], dim=-1), (0, extra))  # [B, H, N, D']
+    null_k = torch.zeros(b, h, 1, k2.shape[-1], dtype=q.dtype, device=q.device)
     null_k[..., d] = 1.0
-    k2 = torch.cat([k2, null_k], dim=2)  # [B, H, N+1, D+2]
-    v2 = F.pad(v, (0, 2, 0, 1))  # [B, H, N+1, D+2]
+    k2 = torch.cat([k2, null_k], dim=2)  # [B, H, N+1, D']
+    v2 = F.pad(v, (0, k2.shape[-1] - d, 0, 1))  # [B, H, N+1, D']
     v2[..., n, d] = 1.0
     attn_mask = None
     if mask is not None:
         attn_mask = F.pad(mask, (0, 1), value=True)[:, None, None, :]  # [B, 1, 1, N+1]
-    out = F.scaled_dot_product_attention(q2, k2, v2, attn_mask=attn_mask, scale=1.0)  # [B, H, S, D+2]
+    out = F.scaled_dot_product_attention(q2, k2, v2, attn_mask=attn_mask, scale=1.0)  # [B, H, S, D']
     return out[..., :d] / out[..., d : d + 1]
 
 

@@ -2,7 +2,7 @@
 (pkuzengqi/Skyformer src/models/attention_skyformer.py and attention.py), outputs and gradients."""
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import pytest
 import torch

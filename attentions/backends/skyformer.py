@@ -106,7 +106,7 @@ def reference(
 ) -> torch.Tensor:
     """The plain form: real tokens gathered per sequence, [Q; K] stacked, landmarks picked by index,
     the sketch written out with an explicit inverse matrix. rows, from_keys: [B, m]."""
-    b, h, n, d = q.shape
+    b, _, n, d = q.shape
     out = torch.zeros_like(q)
     for i in range(b):
         keep = torch.arange(n) if mask is None else mask[i].nonzero().squeeze(-1)

@@ -9,7 +9,7 @@ paper's Sec. 4.4). No row normalisation. Cost O(N m D + iterations m^3) time, O(
 
 Sampling as in the authors' LRA code (pkuzengqi/Skyformer src/models/attention_skyformer.py):
 ``sampling="split"`` takes the first m // 2 landmarks among the queries' rows and the rest among the
-keys'; ``"uniform"`` draws each from all 2N real rows (the paper's Definition 1). The draws are an
+keys'; ``"uniform"`` draws each from all 2n real rows (the paper's Definition 1). The draws are an
 int64 buffer (``draws``, uniform in [0, 2^31)); landmark j of a sequence with n real tokens is real
 token floor(draws[j] n / 2^31), so padding never moves a landmark. As in the authors' code a fresh
 draw is taken at every training forward (``resample="train"``, from torch's RNG, so a checkpoint's

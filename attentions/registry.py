@@ -26,7 +26,7 @@ from .base import Attention, AttentionError, AttnDims
 # the modules of attentions/backends/ that register the built-in backends, imported on first use
 BUILTINS = ("full", "linear", "linformer", "moba", "topk", "agent", "mita", "local", "sparse_transformer",
             "longformer", "cosformer", "synthesizer", "reformer", "informer", "performer", "nystromformer",
-            "ttt", "bigbird", "sinkhorn")
+            "ttt", "bigbird", "sinkhorn", "skyformer", "kernelized")
 
 _REGISTRY: Dict[str, Type[Attention]] = {}
 _builtins_loaded = False

@@ -150,9 +150,9 @@ def test_every_backend_at_the_tasks_shapes(cli) -> None:
 
 
 def test_cpu_protocol_keeps_every_budget_well_below_n() -> None:
-    """At the cpu preset no backend but the dense ones (full attention, the Synthesizer's learned weights,
-    linear attention, cosFormer and TTT through their fixed-size states) reaches every key: each sparse
-    or compressed backend sees at most N / 8 keys per query."""
+    """At the cpu preset no backend but the dense ones (full and Kernelized Attention, the Synthesizer's
+    learned weights, linear attention, cosFormer and TTT through their fixed-size states) reaches every
+    key: each sparse or compressed backend sees at most N / 8 keys per query."""
     from attentions import build_attention, list_attentions
     from lra.config import resolve
     from lra.tables.recall import keys_per_query
@@ -164,7 +164,7 @@ def test_cpu_protocol_keeps_every_budget_well_below_n() -> None:
         attn = build_attention(name, num_heads=heads, head_dim=cfg.model.dim // heads, max_len=n, **cfg.attn_options)
         seen[name] = keys_per_query(attn.budget(), n)
     # backends whose every query reaches all N keys by construction (a dense score or a fixed-size state)
-    dense = ("full", "linear", "cosformer", "synthesizer", "ttt_linear", "ttt_mlp")
+    dense = ("full", "kernelized", "linear", "cosformer", "synthesizer", "ttt_linear", "ttt_mlp")
     assert all(seen[name] == 128 for name in dense), seen
     # the Sparse Transformer's fixed pattern cannot go below its own block of l plus one summary column
     # in each other block, l + N / l - 1 >= 2 sqrt(N) - 1: 21 keys at N = 128 (l = 12, c = 1)

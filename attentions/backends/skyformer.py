@@ -181,4 +181,9 @@ class SkyformerAttention(Attention):
         q, k = q * d**-0.25, k * d**-0.25
         index = position[:, None, :, None].expand(b, h, -1, d)
         landmarks = torch.where(from_keys[:, None, :, None], k.gather(2, index), q.gather(2, index))  # [B, H, m, D]
-        return sketch(q, k, v, landmarks, mask, self.cfg.ridge, self.cfg.iterations)
+        # float32 at least, under autocast too, as the authors run it: the Newton-Schulz inverse of the
+        # landmark kernel amplifies bf16 rounding
+        wide = torch.promote_types(q.dtype, torch.float32)
+        with torch.autocast(q.device.type, enabled=False):
+            out = sketch(q.to(wide), k.to(wide), v.to(wide), landmarks.to(wide), mask, self.cfg.ridge, self.cfg.iterations)
+        return out.to(v.dtype)

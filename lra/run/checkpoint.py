@@ -152,6 +152,8 @@ def save(run: Run, state: TrainState) -> None:
         rng = gathered
     if run.log is not None:
         state.log_bytes = run.log.tell()
+    # the tracker keeps what was logged up to this step before the checkpoint says it was logged
+    run.tracker.checkpoint()
     if run.d.main:
         save_checkpoint(run.run_dir / "checkpoint.pt", {
             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "state": state.to_dict(),

@@ -88,6 +88,7 @@ def finish(run: Run, state: TrainState, status: str, message: str) -> Record:
         started_at=state.started_at, finished_at=now(), message=message, load_average=load,
         init_from=None if run.init is None else run.init.record(), matmul_gflops=rate,
     )
+    run.tracker.checkpoint()
     if run.d.main:
         if status == "completed":
             checkpoint.save_checkpoint(run.run_dir / "best_model.pt", state.best_model)

@@ -43,6 +43,9 @@ def parser() -> Parser:
     p.add_argument("--attn-module", action="append", default=[], metavar="FILE.py",
                    help="a Python file registering more backends with @register (may repeat)")
     p.add_argument("--quiet", action="store_true", help="no progress bars (training, data generation and reading)")
+    p.add_argument("--no-estimate", action="store_true",
+                   help="skip the line that says, before training, what a run of 10 minutes or more will take here "
+                   "(a few training rows timed, lra/run/estimate.py)")
     return p
 
 
@@ -73,7 +76,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if warning:
             print(f"lra-run: warning: {warning}", file=sys.stderr)
     try:
-        record = train(cfg, resume=args.resume, quiet=args.quiet)
+        record = train(cfg, resume=args.resume, quiet=args.quiet, estimate=not args.no_estimate)
     except Interrupted as err:
         print(f"lra-run: {err}", file=sys.stderr)
         return 130

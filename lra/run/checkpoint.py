@@ -136,13 +136,12 @@ def restore_or_start(run: Run, started_at: str) -> TrainState:
         torch.set_rng_state(rng[run.d.rank] if run.d.rank < len(rng) else rng[0])
         if run.device.type == "cuda" and saved["rng_cuda"] is not None:
             torch.cuda.set_rng_state(saved["rng_cuda"].cpu())
-        if run.d.main:
-            print(f"lra-run: resumed {run.run_dir} from step {state.step} of {run.cfg.train.steps}", file=sys.stderr,
-                  flush=True)
     covered = None if saved is None else state.log_bytes
     run.log = open_metrics(run.run_dir / "metrics.jsonl", covered) if run.d.main else None
     if run.d.main:
         run.tracker = open_tracker(run.cfg.train.tracker, run.run_dir, run.cfg.to_dict(), None if saved is None else state.step)
+    if run.d.main and saved is not None:
+        print(f"lra-run: resumed {run.run_dir} from step {state.step} of {run.cfg.train.steps}", file=sys.stderr, flush=True)
     return state
 
 

@@ -8,7 +8,8 @@ Evaluations add a forward pass over their rows (forward time per row measured on
 The weights, gradients and random state are left as they were, so the run is the run it would be.
 
 A run estimated at ``NOTICE_S`` seconds or more prints one line before training (``--no-estimate``
-silences it); on a CPU it names ``--preset cpu`` for the tasks that have it.
+silences it); on a CPU it names ``--preset cpu`` for the tasks that have it. A run of several
+processes (torchrun) makes no estimate.
 """
 from __future__ import annotations
 

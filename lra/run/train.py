@@ -48,7 +48,8 @@ def train(cfg: RunConfig, resume: bool = False, quiet: bool = False, estimate: b
         held.callback(run.tracker.close)
         if not state.commits or state.commits[-1] != commit:
             state.commits.append(commit)
-        if estimate and run.d.main and state.step < cfg.train.steps:
+        # a single process only: a backward outside DistributedDataParallel's forward would wake its gradient hooks
+        if estimate and not run.d.enabled and state.step < cfg.train.steps:
             line = notice(run, state)
             if line:
                 print(f"lra-run: {line}", file=sys.stderr, flush=True)

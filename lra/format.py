@@ -114,3 +114,20 @@ def fmt_count(value: float) -> str:
         if value >= limit:
             return f"{value / limit:.3g}{suffix}"
     return f"{value:.3g}"
+
+
+def plural(count: int, noun: str, nouns: str = "") -> str:
+    """``1 run``, ``2 runs``: the count and the noun it takes (``nouns``: an irregular plural)."""
+    return f"{count} {noun if count == 1 else (nouns or noun + 's')}"
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` in at most ``limit`` characters, cut at a word boundary with "..." when it is longer."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    cut = text[: limit - 3]
+    # a cut inside a word goes back to the word's start (unless the word is the whole text)
+    if text[limit - 3] != " " and " " in cut:
+        cut = cut[: cut.rindex(" ")]
+    return cut.rstrip() + "..."

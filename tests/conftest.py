@@ -208,6 +208,18 @@ def debug_sweep(tmp_path_factory: pytest.TempPathFactory, listops_data: Path) ->
     return out
 
 
+@pytest.fixture(scope="session")
+def executor_grid(tmp_path_factory: pytest.TempPathFactory, listops_data: Path) -> Path:
+    """sweep_helpers.executor_flags' grid through the in-process executor, once per session: the
+    records the local and SLURM executors' runs of it must equal."""
+    from lra.sweep.cli import main
+    from sweep_helpers import executor_flags
+
+    out = tmp_path_factory.mktemp("executor-grid") / "sw"
+    assert call("lra-sweep", main, ["run", *executor_flags(listops_data), "--executor", "debug", "--out", str(out)]) == 0
+    return out
+
+
 class Killed(BaseException):
     """Stands in for SIGKILL: not an Exception, so nothing in the trainer handles it."""
 

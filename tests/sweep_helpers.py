@@ -26,6 +26,13 @@ def sweep_flags(data_dir: Path, attn: str = "full,mita", seeds: str = "0,1", ext
             "--set", *sets, "--quiet"]
 
 
+def executor_flags(data_dir: Path) -> List[str]:
+    """A grid whose thread count the executor sets (--cpus-per-run): the smoke preset as it is, no
+    train.threads, full attention and MiTA at seed 0."""
+    return ["--task", "listops", "--attn", "full,mita", "--seeds", "0", "--preset", "smoke", "--data-dir",
+            str(data_dir), "--cpus-per-run", "1", "--quiet"]
+
+
 def outcome(run_dir: Path) -> Dict[str, object]:
     """The record without timings (and without the --out it was written under), the metrics log, the
     best weights and the file names of a finished run."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 from lra.run.folder import run_name
 from lra.config import resolve
 from lra.sweep import spec as specs
-from sweep_helpers import outcomes, sweep_flags, wait_until
+from sweep_helpers import executor_flags, outcomes, sweep_flags, wait_until
 
 SWEEP = [sys.executable, "-c", "from lra.sweep.cli import entry; entry()"]
 
@@ -166,6 +167,18 @@ def test_local_executor_runs_in_parallel_pinned_and_equals_the_debug_sweep(
     logs = [json.loads(p.read_text()) for p in (out / "sweep" / "state").glob("*.json")]
     assert all(s["cluster"] == "local" and s["status"] == "completed" for s in logs)
     assert proc.stdout.strip().splitlines()[-1] == "4 runs: 4 finished"
+    assert sorted(p.name for p in (out / "sweep" / "submitit").iterdir() if not p.name[0].isdigit()) == []
+
+
+def test_the_debug_and_local_executors_give_the_same_records_at_the_same_thread_count(
+    executor_grid: Path, listops_data: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "sw"
+    proc = subprocess.run([*SWEEP, "run", *executor_flags(listops_data), "--executor", "local", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(outcomes(out)) == ["listops_full_smoke_seed0", "listops_mita_smoke_seed0"]
+    assert outcomes(out) == outcomes(executor_grid)
 
 
 def test_a_run_killed_mid_way_fails_then_the_sweep_resumes_it_identically(
@@ -185,9 +198,9 @@ def test_a_run_killed_mid_way_fails_then_the_sweep_resumes_it_identically(
     _, err = sweep.communicate(timeout=120)
     assert sweep.returncode == 1
     ran = cli("lra-sweep", "status", out)
-    assert "  failed    lra-run was killed by SIGKILL" in ran.out and "1 runs: 1 failed" in ran.out, ran.out
+    assert "  failed    lra-run was killed by SIGKILL" in ran.out and "1 run: 1 failed" in ran.out, ran.out
     ran = cli("lra-sweep", "run", *flags, "--executor", "debug", "--out", out)
-    assert ran.code == 0 and "1 runs: 1 finished" in ran.out, ran.err
+    assert ran.code == 0 and "1 run: 1 finished" in ran.out, ran.err
     reference = tmp_path / "reference"
     assert cli("lra-sweep", "run", *flags, "--executor", "debug", "--out", reference).code == 0
     assert outcomes(out) == outcomes(reference)
@@ -232,3 +245,64 @@ def test_reproduce_lra_runs_its_grid_through_lra_sweep(listops_data: Path, tmp_p
     assert sorted(p.parent.name for p in (tmp_path / "runs").glob("*/record.json")) == [
         "listops_full_smoke_seed0", "listops_full_smoke_seed1"]
     assert "Runs used (2)" in (tmp_path / "tables" / "accuracy.md").read_text()
+
+
+def test_a_single_string_where_a_list_is_expected_is_a_one_element_list(tmp_path: Path, cli: Callable) -> None:
+    layer, module = tmp_path / "layer.yaml", tmp_path / "mine.py"
+    layer.write_text("train: {steps: 3}\n")
+    module.write_text("")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"task: listops\nattn: full\npreset: smoke\nconfigs: {layer}\nattn_modules: {module}\n")
+    assert specs.from_yaml(str(spec)).configs == [str(layer)]
+    assert specs.from_yaml(str(spec)).attn_modules == [str(module)]
+    ran = cli("lra-sweep", "run", "--spec", spec, "--out", tmp_path / "sw", "--dry-run")
+    assert ran.code == 0, ran.err
+    assert f"--config {layer} --attn-module {module}" in ran.out and ran.out.strip().endswith("1 run")
+    spec.write_text("task: listops\nattn: full\nconfigs: {a: 1}\n")
+    ran = cli("lra-sweep", "run", "--spec", spec, "--out", tmp_path / "sw")
+    assert ran.code == 2 and "configs must be a path or a list of paths" in ran.err
+
+
+def test_a_damaged_spec_in_the_sweep_folder_is_named_without_a_flag_not_given(
+    debug_sweep: Path, tmp_path: Path, cli: Callable
+) -> None:
+    out = tmp_path / "sw"
+    shutil.copytree(debug_sweep, out)
+    (out / "sweep" / "spec.yaml").write_text("task: [listops\n")
+    ran = cli("lra-sweep", "run", "--executor", "debug", "--out", out)
+    assert ran.code == 2 and len(ran.err.strip().splitlines()) == 1, ran.err
+    assert f"--spec {out}" not in ran.err and f"the sweep's spec {out}/sweep/spec.yaml is not readable YAML" in ran.err
+    assert f"delete {out}/sweep" in ran.err
+
+
+def test_status_says_a_stopped_run_resumes_from_its_checkpoint_or_restarts(
+    debug_sweep: Path, tmp_path: Path, cli: Callable
+) -> None:
+    out = tmp_path / "sw"
+    shutil.copytree(debug_sweep, out, ignore=shutil.ignore_patterns(".lock"))
+    run_dir = out / "listops_full_smoke_seed0"
+    (run_dir / "record.json").unlink()
+    line = cli("lra-sweep", "status", out).out.splitlines()[0]
+    assert "pending   stopped at step 20 of 20, before its first checkpoint; the next lra-sweep run restarts it" in line
+    (run_dir / "checkpoint.pt").write_bytes(b"")
+    line = cli("lra-sweep", "status", out).out.splitlines()[0]
+    assert "pending   stopped at step 20 of 20; the next lra-sweep run resumes it from its last checkpoint" in line
+
+
+def test_a_failed_runs_line_is_cut_between_words(tmp_path: Path) -> None:
+    from lra.format import clip
+    from lra.sweep.job import last_line
+
+    log = tmp_path / "run.log"
+    log.write_text("== lra-run ...\n" + "lra-run: error: " + "unreadable " * 40 + "\n")
+    line = last_line(log)
+    assert len(line) <= 300 and line.endswith("unreadable...") and line.startswith("lra-run: error: unreadable")
+    assert clip("one two three", 9) == "one..." and clip("abcdefghijkl", 8) == "abcde..." and clip("short", 9) == "short"
+
+
+def test_messages_count_one_run_as_one() -> None:
+    from lra.format import plural
+    from lra.sweep.status import RunStatus, summary
+
+    assert plural(1, "run") == "1 run" and plural(2, "run") == "2 runs" and plural(0, "run") == "0 runs"
+    assert summary([RunStatus("k", "k", "failed", "")]) == "1 run: 1 failed"

@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Set
 import pytest
 
 from conftest import ROOT
-from sweep_helpers import outcomes, sweep_flags, wait_until
+from sweep_helpers import executor_flags, outcomes, sweep_flags, wait_until
 
 SCRIPT = ROOT / "scripts" / "slurm_local.sh"
 
@@ -94,3 +94,33 @@ def test_a_partition_slurm_does_not_have_is_refused_and_nothing_written(slurm: s
               "--partition", "nosuch", "--out", tmp_path / "sw")
     assert ran.code == 2 and len(ran.err.strip().splitlines()) == 1 and "SLURM refused the jobs" in ran.err, ran.err
     assert not (tmp_path / "sw").exists()
+
+
+def test_one_grid_gives_the_same_records_on_the_slurm_local_and_debug_executors(
+    slurm: str, executor_grid: Path, listops_data: Path, tmp_path: Path, cli: Callable
+) -> None:
+    out = tmp_path / "sw"
+    ran = cli("lra-sweep", "run", *executor_flags(listops_data), "--executor", "slurm", "--time", "30", "--out", out)
+    assert ran.code == 0 and "submitted 2 runs to SLURM (jobs " in ran.out, ran.err
+    wait_until(lambda: "2 runs: 2 finished" in cli("lra-sweep", "status", out).out, 900, "the 2 SLURM runs")
+    # the debug executor's records equal the local executor's too (tests/test_sweep.py)
+    assert outcomes(out) == outcomes(executor_grid)
+
+
+def test_one_run_is_one_job(slurm: str, listops_data: Path, tmp_path: Path, cli: Callable) -> None:
+    ran = cli("lra-sweep", "run", *sweep_flags(listops_data, "full", "0"), "--executor", "slurm", "--time", "30",
+              "--out", tmp_path / "sw")
+    assert ran.code == 0 and re.search(r"submitted 1 run to SLURM \(job \d+(_0)?\);", ran.out), ran.out
+    wait_until(lambda: "1 run: 1 finished" in cli("lra-sweep", "status", tmp_path / "sw").out, 600, "the SLURM run")
+
+
+def test_sbatch_without_slurm_conf_names_the_variable(listops_data: Path, tmp_path: Path, cli: Callable,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    if shutil.which("sbatch") is None:
+        pytest.skip("no sbatch here: scripts/slurm_local.sh install adds it")
+    if Path("/etc/slurm/slurm.conf").exists():
+        pytest.skip("/etc/slurm/slurm.conf exists: sbatch finds a configuration without SLURM_CONF")
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    ran = cli("lra-sweep", "run", *sweep_flags(listops_data, "full", "0"), "--executor", "slurm", "--out", tmp_path / "sw")
+    assert ran.code == 2 and len(ran.err.strip().splitlines()) == 1, ran.err
+    assert "SLURM_CONF is not set: export SLURM_CONF=" in ran.err and not (tmp_path / "sw").exists()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from attentions import list_attentions, load_attention_module
 
@@ -43,6 +43,9 @@ def parser() -> Parser:
     p.add_argument("--attn-module", action="append", default=[], metavar="FILE.py",
                    help="a Python file registering more backends with @register (may repeat)")
     p.add_argument("--quiet", action="store_true", help="no progress bars (training, data generation and reading)")
+    p.add_argument("--no-estimate", action="store_true",
+                   help="skip the line that says, before training, what a run of 10 minutes or more will take here "
+                   "(a few training rows timed, lra/run/estimate.py)")
     return p
 
 
@@ -73,7 +76,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if warning:
             print(f"lra-run: warning: {warning}", file=sys.stderr)
     try:
-        record = train(cfg, resume=args.resume, quiet=args.quiet)
+        record = train(cfg, resume=args.resume, quiet=args.quiet, estimate=not args.no_estimate)
     except Interrupted as err:
         print(f"lra-run: {err}", file=sys.stderr)
         return 130
@@ -85,15 +88,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     if record["status"] != "completed":
         print(f"lra-run: run {record['status']}: {record['message']}; record: {record['run_dir']}/record.json", file=sys.stderr)
         return 1
+    print(last_line(record, f"{record['run_dir']}/record.json"))
+    return 0
+
+
+def last_line(record: Dict[str, Any], path: str) -> str:
+    """The line a completed run ends with: its accuracy, time, speed and memory, and where its record is."""
     # train.steps=0 trains nothing: no training time or speed to report
     speed = "no training (train.steps=0)" if record["steps"] == 0 else \
         f"train {record['train_time_s']:.0f}s, {record['tokens_per_s']:.0f} tok/s"
-    print(
-        f"{cfg.task}/{cfg.attn}: test acc {record['test_acc']:.4f} (majority {record['majority_acc']:.4f}), "
-        f"best val {record['val_acc']:.4f} at step {record['best_step']}, {speed}, peak {record['peak_memory_mb']:.0f} MB; "
-        f"record: {record['run_dir']}/record.json"
-    )
-    return 0
+    return (f"{record['task']}/{record['attn']}: test acc {record['test_acc']:.4f} (majority {record['majority_acc']:.4f}), "
+            f"best val {record['val_acc']:.4f} at step {record['best_step']}, {speed}, peak {record['peak_memory_mb']:.0f} MB; "
+            f"record: {path}")
 
 
 def mask_warning(attn: str) -> str:

@@ -5,6 +5,7 @@ weights_only; a damaged or foreign file is a one-line error that says to delete 
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -139,6 +140,8 @@ def restore_or_start(run: Run, started_at: str) -> TrainState:
     run.log = open_metrics(run.run_dir / "metrics.jsonl", covered) if run.d.main else None
     if run.d.main:
         run.tracker = open_tracker(run.cfg.train.tracker, run.run_dir, run.cfg.to_dict(), None if saved is None else state.step)
+    if run.d.main and saved is not None:
+        print(f"lra-run: resumed {run.run_dir} from step {state.step} of {run.cfg.train.steps}", file=sys.stderr, flush=True)
     return state
 
 
@@ -152,6 +155,8 @@ def save(run: Run, state: TrainState) -> None:
         rng = gathered
     if run.log is not None:
         state.log_bytes = run.log.tell()
+    # the tracker keeps what was logged up to this step before the checkpoint says it was logged
+    run.tracker.checkpoint()
     if run.d.main:
         save_checkpoint(run.run_dir / "checkpoint.pt", {
             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "state": state.to_dict(),

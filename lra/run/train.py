@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from typing import Any, Dict, Optional
 
 import numpy as np
@@ -20,15 +21,17 @@ from ..machine import environment, git_commit, load_average, matmul_rate, peak_m
 from ..tasks.base import IGNORE
 from . import checkpoint, distributed, folder
 from .checkpoint import TrainState, restore_or_start
+from .estimate import notice
 from .loop import evaluate, loop
 from .record import Record, now
 from .setup import Run, setup
 
 
-def train(cfg: RunConfig, resume: bool = False, quiet: bool = False) -> Dict[str, Any]:
+def train(cfg: RunConfig, resume: bool = False, quiet: bool = False, estimate: bool = True) -> Dict[str, Any]:
     """Train ``cfg.attn`` on ``cfg.task``; write and return the result record (a dict, with ``run_dir``).
 
     The run folder is locked from when it is chosen until the record is written (or the run stops).
+    ``estimate``: say before training what a long run will cost here (run/estimate.py).
     """
     started_at = now()
     # the code this process runs: read now, since a checkout during the run changes the tree, not the code
@@ -45,6 +48,11 @@ def train(cfg: RunConfig, resume: bool = False, quiet: bool = False) -> Dict[str
         held.callback(run.tracker.close)
         if not state.commits or state.commits[-1] != commit:
             state.commits.append(commit)
+        # a single process only: a backward outside DistributedDataParallel's forward would wake its gradient hooks
+        if estimate and not run.d.enabled and state.step < cfg.train.steps:
+            line = notice(run, state)
+            if line:
+                print(f"lra-run: {line}", file=sys.stderr, flush=True)
         # 3) the loop, until the last step, a non-finite loss or a signal
         status, message = loop(run, state, quiet)
         # 4) finish: test the best weights, write the record
@@ -88,6 +96,7 @@ def finish(run: Run, state: TrainState, status: str, message: str) -> Record:
         started_at=state.started_at, finished_at=now(), message=message, load_average=load,
         init_from=None if run.init is None else run.init.record(), matmul_gflops=rate,
     )
+    run.tracker.checkpoint()
     if run.d.main:
         if status == "completed":
             checkpoint.save_checkpoint(run.run_dir / "best_model.pt", state.best_model)

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 
 from ..errors import UserError
 from ..files import FolderLock
+from ..format import plural
 from . import spec as specs
 from .folder import SweepFolder
 
@@ -102,7 +103,11 @@ def spec_of(args: Any, folder: SweepFolder) -> specs.SweepSpec:
         return specs.from_flags(args.task, args.attn, args.seeds or "0", args.preset or "paper", args.sets,
                                 args.data_dir, args.configs, args.attn_module)
     if folder.exists():
-        return specs.from_yaml(str(folder.spec_file))
+        try:
+            return specs.from_yaml(str(folder.spec_file), origin=f"the sweep's spec {folder.spec_file}")
+        except UserError as err:
+            raise UserError(f"{err}; delete {folder.meta} (the run folders beside it stay) and give the grid "
+                            "again, as --task/--attn or --spec")
     raise UserError("no grid given: give --task and --attn (or --spec FILE.yaml), or the --out of an existing sweep")
 
 
@@ -178,7 +183,7 @@ def run_main(args: Any) -> int:
     if args.dry_run:
         for run, argv in zip(runs, argvs):
             print(f"lra-run {' '.join(argv)}")
-        print(f"{len(runs)} runs")
+        print(plural(len(runs), "run"))
         return 0
     new = [p for p in (folder.out, folder.meta) if not p.exists()]
     try:
@@ -201,18 +206,19 @@ def run_main(args: Any) -> int:
                 shutil.rmtree(path, ignore_errors=True)
             raise
         kept = ", ".join(f"{n} {state}" for state, n in sorted(left.items()))
-        print(f"lra-sweep: {len(runs)} runs; {len(todo)} to run" + (f" ({kept} left as they are)" if kept else ""),
+        print(f"lra-sweep: {plural(len(runs), 'run')}; {len(todo)} to run" + (f" ({kept} left as they are)" if kept else ""),
               file=sys.stderr)
         if not todo:
             return 0
         if args.executor == "slurm":
-            print(f"lra-sweep: submitted {len(ids)} runs to SLURM (jobs {ids[0]}..{ids[-1]}); follow them with "
+            jobs = f"job {ids[0]}" if len(ids) == 1 else f"jobs {ids[0]}..{ids[-1]}"
+            print(f"lra-sweep: submitted {plural(len(ids), 'run')} to SLURM ({jobs}); follow them with "
                   f"lra-sweep status {folder.out}")
             return 0
         if args.executor == "local":
             outcomes = run_local(folder, todo, slots, args.time_min, args.quiet)
         else:
-            outcomes = run_debug(folder, todo, args.quiet)
+            outcomes = run_debug(folder, todo, args.quiet, args.cpus_per_run)
     from .status import report
 
     print(report(folder))

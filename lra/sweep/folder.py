@@ -28,6 +28,7 @@ from ..run.folder import run_name, same_run
 from ..config import RunConfig
 from ..errors import UserError
 from ..files import write_atomic, write_json_atomic
+from ..format import clip
 from .spec import RunSpec, SweepSpec
 
 META = "sweep"
@@ -58,7 +59,7 @@ class SweepFolder:
         try:
             values = yaml.safe_load(self.spec_file.read_text())
         except (OSError, yaml.YAMLError) as err:
-            raise UserError(f"{self.spec_file} is unreadable ({err}); delete {self.meta} to start the sweep's files over")
+            raise UserError(f"{self.spec_file} is unreadable ({clip(str(err), 200)}); delete {self.meta} to start the sweep's files over")
         if not isinstance(values, dict):
             raise UserError(f"{self.spec_file} holds no sweep spec; delete {self.meta} to start the sweep's files over")
         return values
@@ -67,7 +68,7 @@ class SweepFolder:
         try:
             runs = json.loads(self.runs_file.read_text())["runs"]
         except (OSError, ValueError, KeyError, TypeError) as err:
-            raise UserError(f"{self.runs_file} is unreadable ({err}); re-run the sweep's lra-sweep run command to rewrite it")
+            raise UserError(f"{self.runs_file} is unreadable ({clip(str(err), 200)}); re-run the sweep's lra-sweep run command to rewrite it")
         return runs
 
     def entry(self, key: str) -> Dict[str, Any]:

@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional
 
 import submitit
 
+from ..format import clip
 from .folder import SweepFolder
 from .progress import run_progress
 
@@ -42,12 +43,14 @@ class RunJob(submitit.helpers.Checkpointable):
     ``cores``: pin the child to these CPUs and give torch as many threads (the local executor's
     share of the machine); under SLURM the job's own allocation (``SLURM_CPUS_PER_TASK``) sets the threads.
     ``gpus``: the GPUs the child sees (CUDA_VISIBLE_DEVICES; None: whatever this process sees).
-    ``inprocess``: run lra-run in this process (the debug executor: no child, no signals).
+    ``inprocess``: run lra-run in this process (the debug executor: no child, no signals), with
+    ``threads`` torch threads (unless OMP_NUM_THREADS sets them, as it would a child's).
     """
 
     def __init__(self, out: str, key: str, argv: List[str], cores: Optional[List[int]] = None,
-                 gpus: Optional[List[int]] = None, inprocess: bool = False) -> None:
+                 gpus: Optional[List[int]] = None, inprocess: bool = False, threads: int = 0) -> None:
         self.out, self.key, self.argv, self.cores, self.gpus, self.inprocess = out, key, list(argv), cores, gpus, inprocess
+        self.threads = threads
         self._child: Optional[subprocess.Popen] = None
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -56,6 +59,7 @@ class RunJob(submitit.helpers.Checkpointable):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("threads", 0)
         self._child = None
 
     def __call__(self) -> Dict[str, Any]:
@@ -116,9 +120,17 @@ class RunJob(submitit.helpers.Checkpointable):
         from ..cli import call
         from ..cli.run import main
 
+        import torch
+
         text = io.TextIOWrapper(out, encoding="utf-8", write_through=True)
-        with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
-            rc = call("lra-run", main, self.argv)
+        threads = torch.get_num_threads()
+        if self.threads and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(self.threads)
+        try:
+            with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+                rc = call("lra-run", main, self.argv)
+        finally:
+            torch.set_num_threads(threads)
         text.detach()
         return rc
 
@@ -156,7 +168,7 @@ class RunJob(submitit.helpers.Checkpointable):
         if not progress.done:
             folder.set_state(self.key, "requeued", **current_job(), step=progress.step, exit_status=rc)
         return submitit.helpers.DelayedSubmission(RunJob(self.out, self.key, self.argv, self.cores, self.gpus,
-                                                         self.inprocess))
+                                                         self.inprocess, self.threads))
 
 
 def wait_child(child: subprocess.Popen, timeout: Optional[float]) -> Optional[int]:
@@ -180,7 +192,8 @@ def current_job() -> Dict[str, str]:
 
 
 def last_line(log: Path) -> str:
-    """The last non-empty line of ``log`` (the error of a run that failed), at most 300 characters."""
+    """The last non-empty line of ``log`` (the error of a run that failed), at most 300 characters, cut
+    between words."""
     try:
         with open(log, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
@@ -188,4 +201,4 @@ def last_line(log: Path) -> str:
     except OSError:
         return ""
     lines = [line for line in lines if line and not line.startswith("== ")]
-    return lines[-1][:300] if lines else ""
+    return clip(lines[-1], 300) if lines else ""

@@ -22,6 +22,7 @@ import submitit
 from tqdm import tqdm
 
 from ..errors import UserError
+from ..format import clip
 from .folder import SweepFolder
 from .job import RunJob
 from .status import find, sweep_status
@@ -70,8 +71,7 @@ def slurm_executor(folder: SweepFolder, options: SlurmOptions) -> submitit.AutoE
     try:
         executor.update_parameters(name=f"lra-sweep-{folder.out.name}", **options.parameters())
     except (ValueError, TypeError, NameError) as err:
-        first = " ".join(str(err).split())[:300]
-        raise UserError(f"a SLURM option submitit does not take: {first}")
+        raise UserError(f"a SLURM option submitit does not take: {clip(str(err), 300)}")
     return executor
 
 
@@ -101,7 +101,7 @@ def submit_slurm(folder: SweepFolder, runs: List[Dict[str, Any]], options: Slurm
                 jobs.append(executor.submit(RunJob(str(folder.out), run["key"], run["argv"])))
     except submitit.core.utils.FailedJobError as err:
         first = next((line for line in str(err).splitlines() if line.strip()), "sbatch failed")
-        raise UserError(f"SLURM refused the jobs: {first.strip()[:300]}")
+        raise UserError(f"SLURM refused the jobs: {clip(first, 300)}{config_hint(str(err))}")
     for run, job in zip(runs, jobs):
         folder.set_state(run["key"], "submitted", cluster="slurm", job=str(job.job_id))
     return [str(job.job_id) for job in jobs]
@@ -164,7 +164,7 @@ def run_local(folder: SweepFolder, runs: List[Dict[str, Any]], slots: List[Slot]
                     outcomes[run["key"]] = outcome(job)
                     del running[slot]
                     bar.update(1)
-                    bar.set_postfix_str(f"{run['label']}: {outcomes[run['key']]}"[:60])
+                    bar.set_postfix_str(clip(f"{run['label']}: {outcomes[run['key']]}", 60))
             time.sleep(0.5)
     except KeyboardInterrupt:
         # the runs got Ctrl-C too (one process group) and are saving their checkpoints
@@ -173,17 +173,41 @@ def run_local(folder: SweepFolder, runs: List[Dict[str, Any]], slots: List[Slot]
         raise
     finally:
         bar.close()
+        drop_template_folder(folder)
     return outcomes
 
 
-def run_debug(folder: SweepFolder, runs: List[Dict[str, Any]], quiet: bool) -> Dict[str, str]:
-    """Run ``runs`` one after another in this process (submitit's debug executor)."""
+def run_debug(folder: SweepFolder, runs: List[Dict[str, Any]], quiet: bool, cpus_per_run: int) -> Dict[str, str]:
+    """Run ``runs`` one after another in this process (submitit's debug executor), each with
+    ``cpus_per_run`` torch threads, as the local and SLURM executors give theirs."""
     executor = submitit.AutoExecutor(folder=str(folder.submitit_dir / "%j"), cluster="debug")
     outcomes = {}
-    for run in tqdm(runs, desc="lra-sweep", unit="run", disable=quiet):
-        job = executor.submit(RunJob(str(folder.out), run["key"], run["argv"], inprocess=True))
-        outcomes[run["key"]] = outcome(job)
+    try:
+        for run in tqdm(runs, desc="lra-sweep", unit="run", disable=quiet):
+            job = executor.submit(RunJob(str(folder.out), run["key"], run["argv"], inprocess=True, threads=cpus_per_run))
+            outcomes[run["key"]] = outcome(job)
+    finally:
+        drop_template_folder(folder)
     return outcomes
+
+
+def drop_template_folder(folder: SweepFolder) -> None:
+    """submitit's local and debug executors, reading a job's result, make a folder named after the
+    template itself (``submitit/%j``) and leave it empty: removed (when empty)."""
+    with contextlib.suppress(OSError):
+        (folder.submitit_dir / "%j").rmdir()
+
+
+# what sbatch says when it finds no slurm.conf (and then looks for the controller in DNS)
+NO_CONFIG = ("resolve_ctls_from_dns_srv", "Could not establish a configuration source", "Unknown host")
+
+
+def config_hint(error: str) -> str:
+    """A hint when sbatch failed for want of a configuration and SLURM_CONF is not set, else ""."""
+    if os.environ.get("SLURM_CONF") or not any(s in error for s in NO_CONFIG):
+        return ""
+    return ("; sbatch found no slurm.conf and SLURM_CONF is not set: export SLURM_CONF=PATH/slurm.conf "
+            "(for scripts/slurm_local.sh's cluster: /tmp/lra-slurm/slurm.conf)")
 
 
 def outcome(job: Any) -> str:

@@ -23,6 +23,8 @@ class Progress:
     steps: int = 0
     test_acc: Optional[float] = None
     message: str = ""
+    # whether the run folder holds a checkpoint (a stopped run resumes from it, or else starts over)
+    checkpoint: bool = False
 
     @property
     def done(self) -> bool:
@@ -40,7 +42,8 @@ def run_progress(folder: SweepFolder, entry: Dict[str, Any]) -> Progress:
         return Progress(record["status"], run_dir, int(record.get("steps") or 0), cfg.train.steps,
                         record.get("test_acc"), str(record.get("message") or ""))
     kind = "running" if lock_held(run_dir / LOCK_NAME) else "stopped"
-    return Progress(kind, run_dir, last_step(run_dir / "metrics.jsonl"), cfg.train.steps)
+    return Progress(kind, run_dir, last_step(run_dir / "metrics.jsonl"), cfg.train.steps,
+                    checkpoint=(run_dir / "checkpoint.pt").is_file())
 
 
 @lru_cache(maxsize=4096)

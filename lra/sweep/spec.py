@@ -15,6 +15,9 @@ train.lr=1e-3,3e-4``) or from a YAML file of the same axes::
     configs: [my_layer.yaml]      # optional: lra-run --config files, applied to every run
     attn_modules: [my_attn.py]    # optional: lra-run --attn-module files
 
+Every field that takes a list also takes one value, read as a one-element list (``configs:
+my_layer.yaml``).
+
 Every run is resolved (lra.config.resolve) when the spec is read, so an unknown task, backend,
 preset or key fails before anything is written or submitted.
 """
@@ -29,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import yaml
 
 from ..errors import UserError
+from ..format import clip
 
 # a grid larger than this is a typo (an axis pasted twice), not a sweep anyone runs
 MAX_RUNS = 10_000
@@ -163,30 +167,40 @@ def from_flags(tasks: str, attns: str, seeds: str, presets: str, sets: Sequence[
     )
 
 
+def path_list(origin: str, key: str, value: Any) -> List[str]:
+    """``configs`` and ``attn_modules``: a list of paths, or one path (a one-element list)."""
+    if value is None:
+        return []
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
+        raise UserError(f"{origin}: {key} must be a path or a list of paths, got {clip(repr(value), 80)}")
+    return values
+
+
 def as_list(origin: str, key: str, value: Any) -> List[Any]:
     """A YAML axis: a list of scalars, or one scalar."""
     values = value if isinstance(value, list) else [value]
     if not values or any(isinstance(v, (list, dict)) or v is None for v in values):
-        raise UserError(f"{origin}: {key} must be a value or a non-empty list of values, got {value!r:.80}")
+        raise UserError(f"{origin}: {key} must be a value or a non-empty list of values, got {clip(repr(value), 80)}")
     return values
 
 
-def from_yaml(path: str) -> SweepSpec:
-    """The spec in a YAML file; every problem is one UserError naming the file."""
+def from_yaml(path: str, origin: str = "") -> SweepSpec:
+    """The spec in a YAML file; every problem is one UserError that starts with ``origin`` (default
+    ``--spec PATH``, the flag that named the file)."""
     file = Path(path)
+    origin = origin or f"--spec {path}"
     try:
         values = yaml.safe_load(file.read_text())
     except FileNotFoundError:
-        raise UserError(f"--spec {path}: no such file; give a YAML file with the axes {', '.join(AXES)}")
+        raise UserError(f"{origin}: no such file; give a YAML file with the axes {', '.join(AXES)}")
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        detail = " ".join(str(err).split())[:200]
-        raise UserError(f"--spec {path} is not readable YAML ({detail}); see lra-sweep run --help for the format")
+        raise UserError(f"{origin} is not readable YAML ({clip(str(err), 200)}); see lra-sweep run --help for the format")
     if not isinstance(values, dict):
-        raise UserError(f"--spec {path}: expected a mapping with the axes {', '.join(AXES)}, got {type(values).__name__}")
+        raise UserError(f"{origin}: expected a mapping with the axes {', '.join(AXES)}, got {type(values).__name__}")
     unknown = sorted(set(values) - set(SPEC_KEYS))
     if unknown:
-        raise UserError(f"--spec {path}: unknown key {unknown[0]!r}; valid keys: {', '.join(SPEC_KEYS)}")
-    origin = f"--spec {path}"
+        raise UserError(f"{origin}: unknown key {unknown[0]!r}; valid keys: {', '.join(SPEC_KEYS)}")
     raw_sets = values.get("set") or {}
     if not isinstance(raw_sets, dict):
         raise UserError(f"{origin}: set must map section.key to its values, e.g. {{train.lr: [1.0e-3, 3.0e-4]}}")
@@ -203,8 +217,8 @@ def from_yaml(path: str) -> SweepSpec:
         seeds=seeds_of(f"{origin}: seeds", as_list(origin, "seeds", values.get("seeds", 0))) if has_grid else [],
         presets=[str(v) for v in as_list(origin, "preset", values.get("preset", "paper"))] if has_grid else [],
         sets=sets, extra=extra, data_dir=optional_str(origin, "data_dir", values.get("data_dir")),
-        configs=[str(v) for v in values.get("configs") or []],
-        attn_modules=[str(v) for v in values.get("attn_modules") or []],
+        configs=path_list(origin, "configs", values.get("configs")),
+        attn_modules=path_list(origin, "attn_modules", values.get("attn_modules")),
     )
     if has_grid and (not spec.tasks or not spec.attns):
         raise UserError(f"{origin}: a grid needs both task and attn (seeds default to 0, preset to paper)")
@@ -213,7 +227,7 @@ def from_yaml(path: str) -> SweepSpec:
 
 def optional_str(origin: str, key: str, value: Any) -> Optional[str]:
     if value is not None and not isinstance(value, str):
-        raise UserError(f"{origin}: {key} must be a path, got {value!r:.60}")
+        raise UserError(f"{origin}: {key} must be a path, got {clip(repr(value), 60)}")
     return value
 
 

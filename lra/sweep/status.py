@@ -2,7 +2,8 @@
 
 A run is finished (with its test accuracy), diverged, running (at step s of S, with an ETA from the
 steps this attempt has made), failed (the error's line and the log's path) or pending (not started,
-queued on the cluster, or stopped part-way: the next ``lra-sweep run`` resumes it).
+queued on the cluster, or stopped part-way: the next ``lra-sweep run`` resumes it from its checkpoint, or restarts it when it
+stopped before its first one).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from ..format import fmt_duration
+from ..format import fmt_duration, plural
 from .folder import SweepFolder
 from .progress import Progress, run_progress
 
@@ -58,9 +59,12 @@ def run_status(folder: SweepFolder, entry: Dict, queued: Optional[Dict[str, str]
         return RunStatus(key, label, "failed", f"{state.get('error') or 'no error line'} (log: {state.get('log')})")
     if job and (queued or {}).get(job) in ("PENDING", "REQUEUED", "CONFIGURING", "REQUEUE_HOLD", "SUSPENDED"):
         return RunStatus(key, label, "pending", f"queued as SLURM job {job} ({(queued or {})[job].lower()})")
-    if progress.kind == "stopped" and progress.step:
+    if progress.kind == "stopped" and progress.checkpoint:
         return RunStatus(key, label, "pending", f"stopped at step {progress.step} of {progress.steps}; the next "
-                         "lra-sweep run resumes it")
+                         "lra-sweep run resumes it from its last checkpoint")
+    if progress.kind == "stopped" and progress.step:
+        return RunStatus(key, label, "pending", f"stopped at step {progress.step} of {progress.steps}, before its "
+                         "first checkpoint; the next lra-sweep run restarts it")
     return RunStatus(key, label, "pending", "not started")
 
 
@@ -130,7 +134,7 @@ def cluster_jobs(job_ids: List[str]) -> Optional[Dict[str, str]]:
 def summary(statuses: List[RunStatus]) -> str:
     counts = Counter(s.state for s in statuses)
     parts = [f"{counts[s]} {s}" for s in STATES if counts[s]]
-    return f"{len(statuses)} runs: " + ", ".join(parts)
+    return f"{plural(len(statuses), 'run')}: " + ", ".join(parts)
 
 
 def report(folder: SweepFolder) -> str:

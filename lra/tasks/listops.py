@@ -41,6 +41,12 @@ NUM_CLASSES = 10
 GENERATED_SET = re.compile(r"listops_n(\d+)_seed(\d+)")
 
 
+# the generated files' mean size per row: the official 100,000 rows (seed 0) take 631 MB
+BYTES_PER_ROW = 6310
+# a set this large is announced, with its size, before it is generated
+NOTICE_MB = 50
+
+
 def tokenize(source: str) -> List[str]:
     """The fixed official tokenizer: drop parentheses, make ``]`` its own token, split on spaces."""
     return source.replace("(", " ").replace(")", " ").replace("]", " ] ").split()
@@ -105,6 +111,11 @@ class ListOps(Task):
 
     def generate(self, data: DataConfigLike) -> Path:
         folder = Path(data.data_dir) / self.folder_name(data)
+        rows = sum(listops_gen.split_sizes(data.size))
+        size_mb = rows * BYTES_PER_ROW / 1e6
+        if size_mb >= NOTICE_MB:
+            print(f"lra: generating ListOps ({rows:,} rows, about {size_mb:,.0f} MB) into {folder}: minutes on a CPU, "
+                  "once (later runs read it)", file=sys.stderr, flush=True)
         return listops_gen.generate_files(folder, size=data.size, seed=data.seed, workers=max(data.workers, 1))
 
     def load(self, data: DataConfigLike) -> Dict[str, Split]:

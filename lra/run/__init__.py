@@ -6,6 +6,7 @@
     init_from.py    another run's best weights as a fresh start (--init-from)
     folder.py       the run folder: its name, the claim and lock, config.json, metrics.jsonl
     checkpoint.py   what a checkpoint holds, saving it, a run restored from it
+    estimate.py     what a long run will cost here, said before its first step
     trackers.py     TensorBoard and wandb beside metrics.jsonl
     loop.py         the steps, evaluation, and the schedule of logs and checkpoints
     record.py       the result record's schema

@@ -279,20 +279,6 @@ def resolve(
     return cfg
 
 
-def build_attn_options(attn: str, sets: List[str]) -> Dict[str, Any]:
-    """Backend ``attn``'s options from ``attn.key=value`` items alone (no task, no YAML), checked
-    against its Config: an unknown key or a wrong type is a UserError."""
-    options = {}
-    for item in sets:
-        _, key, value = parse_set(item)
-        options[key] = value
-    try:
-        build_config(attn, options)
-    except AttentionError as err:
-        raise UserError(str(err)) from err
-    return options
-
-
 def from_saved(saved: Dict[str, Any], origin: str) -> RunConfig:
     """The RunConfig a run folder's config.json holds (``origin`` names the file in errors); keys a
     later version added take their defaults, unknown keys and wrong types are errors."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from attentions import list_attentions, load_attention_module, origin
+from attentions import AttentionError, build_config, list_attentions, load_attention_module, origin
 from attentions.check import FAIL, Report, Sizes, check_backend
 
 from . import Parser, console
@@ -54,11 +54,17 @@ def task_setting(name: str, task: Optional[str], preset: str, sets: List[str]) -
     """The battery's sizes and backend ``name``'s options: the battery's small sizes and the --set options;
     with a task, the length (a cls token included), heads and head width it trains with under
     ``preset`` and the options that run resolves to, --set applied last."""
-    from ..config import build_attn_options, resolve
+    from ..config import parse_set, resolve
     from ..tasks import get_task
 
     if task is None:
-        return Sizes(), build_attn_options(name, sets)
+        # the --set options alone, checked against the backend's Config (unknown key, wrong type)
+        options = {key: value for _, key, value in map(parse_set, sets)}
+        try:
+            build_config(name, options)
+        except AttentionError as err:
+            raise UserError(str(err)) from err
+        return Sizes(), options
     cfg = resolve(task, name, preset, sets=sets)
     length = get_task(task).max_len(cfg.data) + (1 if cfg.model.pooling == "cls" else 0)
     return Sizes(heads=cfg.model.num_heads, length=length, head_dim=cfg.model.dim // cfg.model.num_heads), cfg.attn_options

@@ -46,9 +46,7 @@ class ModelConfig:
     dropout: float = 0.1
     # "mean" (over real tokens only) or "cls" (a learned token prepended to the sequence)
     pooling: str = "mean"
-    # data-dependent output gate, for every backend: the input projection makes a fourth view g
-    # beside q, k, v, and the attention output is multiplied by SiLU(g) before the output projection
-    # (the MiTA paper's gated configuration, Wen et al. 2026; off: the plain encoder)
+    # the MiTA paper's output gate, for any backend: attention output x SiLU(g), g a fourth projection view
     gate: bool = False
 
 

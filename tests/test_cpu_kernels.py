@@ -1,6 +1,6 @@
 """The C kernels for the CPU (attentions/ops/native.py builds them): the grouped attention kernel of
-MiTA and MoBA (ops/grouped), the top-k selection (ops/topk_selection) and the products with chosen
-rows (ops/row_products) against their PyTorch references: outputs and q/k/v gradients, padding, empty
+MiTA and MoBA (ops/grouped), the top-k selection (ops/topk_selection), Top-k attention's fused forward
+(ops/topk_attention) and the products with chosen rows (ops/row_products) against their PyTorch references: outputs and q/k/v gradients, padding, empty
 experts, a pair with no expert, ties and infinities; and what happens where they cannot be built."""
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from attentions.ops.grouped import cpu as grouped_cpu, pick_grouped
 from attentions.ops.grouped.cpu import grouped_attention_cpu
 from attentions.ops.grouped.reference import grouped_attention
 from attentions.ops.row_products import cpu as row_kernels, reference as row_reference
+from attentions.ops.topk_attention import cpu as fused_cpu, reference as fused_reference
 from attentions.ops.topk_selection import topk_unsorted
 from conftest import lengths_mask, rel_err
 from test_grouped_triton import (BACKEND_CASES, GROUPED_CASES, check_all_masked_expert, check_backend_kernel,
@@ -144,8 +145,10 @@ def check_selection(x: torch.Tensor, k: int) -> None:
 
 
 @needs_kernels
-# from n = 4096 (topk_select.c's FILTER_MIN) rows are filtered before the bisection
+# from n = 512 (select.h's ROW_SAMPLE_MIN) a sampled threshold picks the candidates, from n = 4096
+# (FILTER_MIN) rows are filtered before the bisection
 @pytest.mark.parametrize("n, k", [(1024, 128), (1024, 64), (100, 7), (65, 64), (9, 1), (300, 299),
+                                  (512, 1), (2048, 256), (600, 150), (3000, 2999), (4095, 128),
                                   (4096, 128), (20000, 64), (5000, 1), (4100, 4099)])
 def test_selection_chooses_what_torch_topk_chooses(n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(n + k)
@@ -162,6 +165,7 @@ def test_selection_chooses_what_torch_topk_chooses(n: int, k: int) -> None:
     x[14] = -torch.arange(n).float()
     x[15] = torch.randint(0, 2, (n,), generator=gen).float()  # ties defeat the filter (whole-row fallback)
     x[16, n // 3:] = x[16, : n - n // 3].clone()  # repeated values across the row
+    x[17, :: max(1, n // 40)] = 100.0  # a sample that overstates the row's largest values
     check_selection(x, k)
     # ties at the boundary go to the lower indices
     _, index = topk_unsorted(torch.ones(1, n), k)
@@ -217,3 +221,44 @@ def test_topk_sparse_path_matches_dense_path_and_reference(
     for label, f, d, r in zip(["out", "dq", "dk", "dv"], fast, dense, ref):
         assert rel_err(f, d) < 1e-5, f"{label}: sparse vs dense path"
         assert rel_err(f, r) < 1e-5, f"{label}: sparse path vs reference"
+
+
+@needs_kernels
+@pytest.mark.parametrize("n, keys, queries, masked", [
+    (700, 32, 50, False), (700, 32, 50, True), (40, 40, 17, True), (5000, 64, 3, True), (64, 1, 33, False),
+], ids=["N700-k32", "N700-k32-masked", "k-equals-N-masked", "N5000-filtered-masked", "k1-odd-block"])
+def test_fused_topk_forward_matches_its_torch_form(n: int, keys: int, queries: int, masked: bool) -> None:
+    """lra::topk_attention against reference.py: the same keys chosen, the same weights and output;
+    a padded key is never chosen while a real one is left (each row here has more real keys than k
+    but one, whose extra places take padded keys at weight 0)."""
+    gen = torch.Generator().manual_seed(n + keys)
+    q, k, v = (torch.randn(2, 2, size, 16, generator=gen) for size in (queries, n, n))
+    bias = None
+    if masked:
+        real = torch.tensor([n, max(1, keys - 1)])
+        bias = torch.zeros(2, 1, 1, n).masked_fill(torch.arange(n) >= real[:, None, None, None], float("-inf"))
+    out, index, weights = fused_cpu.topk_attention(q, k.transpose(-1, -2), v, bias, keys)
+    ref_out, ref_index, ref_weights = fused_reference.topk_attention(q, k.transpose(-1, -2), v, bias, keys)
+    order, ref_order = index.argsort(-1), ref_index.argsort(-1)
+    if masked:  # padded keys tie at -inf: which of them fill the second sequence's spare places is free
+        assert torch.equal(index[0].sort(-1).values, ref_index[0].sort(-1).values)
+        assert bool((index[1].sort(-1).values[..., : keys - 1] < keys - 1).all())
+    else:
+        assert torch.equal(index.gather(-1, order), ref_index.gather(-1, ref_order))
+    assert rel_err(weights.gather(-1, order), ref_weights.gather(-1, ref_order)) < 1e-6
+    assert rel_err(out, ref_out) < 1e-6
+
+
+@needs_kernels
+def test_fused_topk_forward_gives_the_same_bits_with_one_or_two_threads() -> None:
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 300, 16, generator=gen) for _ in range(3))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fused_cpu.topk_attention(q, k.transpose(-1, -2), v, None, 20)
+        torch.set_num_threads(2)
+        two = fused_cpu.topk_attention(q, k.transpose(-1, -2), v, None, 20)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))

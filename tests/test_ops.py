@@ -13,6 +13,7 @@ from attentions.ops.grouped import cpu as grouped
 from attentions.ops.grouped.reference import expert_runs
 from attentions.ops.landmark import cpu as landmark
 from attentions.ops.row_products import cpu as rows
+from attentions.ops.topk_attention import cpu as topk_attention
 from attentions.ops.topk_selection import cpu as selection
 from lra.model import dropout
 
@@ -96,6 +97,10 @@ def cases() -> List[Tuple[str, Callable, tuple]]:
     out.append(("route_best-masked", landmark.route_best_op,
                 (randn(4, 10, 8), randn(4, 3, 8), torch.tensor([[1, 0, 1]] * 3 + [[0, 0, 0]], dtype=torch.uint8))))
     out.append(("topk_select", selection.topk_rows, (randn(2, 3, 40), 7)))
+    bias = torch.zeros(2, 1, 1, 30).masked_fill(torch.arange(30) >= 20, float("-inf"))
+    for masked in (False, True):
+        out.append((f"topk_attention-masked{int(masked)}", topk_attention.topk_attention,
+                    (randn(2, 2, 9, 8), randn(2, 2, 8, 30), randn(2, 2, 30, 8), bias if masked else None, 5)))
     w, idx = randn(6, 4), torch.randint(0, 5, (6, 4), generator=GEN)
     out.append(("mix_rows", rows.mix_rows, (w, idx, randn(10, 8), 3, 5)))
     out.append(("dot_rows", rows.dot_rows, (randn(6, 8), idx, randn(10, 8), 3, 5)))
@@ -122,8 +127,8 @@ def test_every_kernel_entry_is_an_operator_in_one_namespace() -> None:
     names = {c[0].split("-")[0] for c in CASES}
     assert names == {"grouped_forward", "grouped_backward", "merge_parts", "merge_parts_backward", "take_rows",
                      "pool_bins", "pool_bins_backward", "pool_bins_backward_add", "landmark_forward",
-                     "landmark_backward", "landmark_backward_add", "route_best", "topk_select", "mix_rows",
-                     "dot_rows", "scatter_outer", "block_gate", "dropout"}
+                     "landmark_backward", "landmark_backward_add", "route_best", "topk_select", "topk_attention",
+                     "mix_rows", "dot_rows", "scatter_outer", "block_gate", "dropout"}
     for name in names:
         assert hasattr(torch.ops.lra, name), name
 
@@ -143,4 +148,4 @@ def test_the_profiler_names_the_operators_of_a_training_step() -> None:
     assert {"lra::pool_bins", "lra::landmark_forward", "lra::route_best", "lra::topk_select", "lra::take_rows",
             "lra::grouped_forward", "lra::grouped_backward", "lra::landmark_backward_add",
             "lra::pool_bins_backward_add", "lra::block_gate", "lra::merge_parts", "lra::merge_parts_backward",
-            "lra::mix_rows", "lra::dot_rows", "lra::scatter_outer"} <= seen, sorted(seen)
+            "lra::topk_attention", "lra::mix_rows", "lra::dot_rows", "lra::scatter_outer"} <= seen, sorted(seen)

@@ -3,10 +3,10 @@
 Each query keeps its own k highest-scoring real keys and takes a softmax over those k only. Scores
 are built for a chunk of queries at a time, so memory is O(chunk N) instead of O(N^2); training
 keeps only each query's k chosen indices and weights, O(N k), and the backward rebuilds the sparse
-rows from them (no second top-k); on the CPU in float32 the selection and the products with the
-k chosen rows run on C kernels (ops/topk_selection, ops/row_products) and no [C, N] rows are rebuilt. Time
-stays O(N^2 D): every query still scores every key. One
-query attends to k keys: 64 at the Config default, 128 in configs/attn/topk.yaml (all real keys,
+rows from them (no second top-k). On the CPU in float32 the forward is one C kernel from scores to
+output for a block of queries at a time (ops/topk_attention), so the [C, N] scores stay in the cache,
+and the backward's products with the k chosen rows run on C kernels (ops/row_products): no [C, N]
+rows are rebuilt. Time stays O(N^2 D): every query still scores every key. One query attends to k keys: 64 at the Config default, 128 in configs/attn/topk.yaml (all real keys,
 i.e. full attention, when N <= k).
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from ..base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
 from ..ops import row_products
 from ..ops.row_products import cpu as row_kernels
+from ..ops.topk_attention import topk_attention as fused_forward
 from ..ops.topk_selection import topk_unsorted
 from ..registry import register
 
@@ -95,8 +96,9 @@ class TopKChunk(torch.autograd.Function):
 
 
 class TopKChunkSparse(torch.autograd.Function):
-    """TopKChunk with the k chosen rows read by index (ops/row_products, float32 on the CPU):
-    out = sum_j p_j v_{idx_j}; backward d p_j = d_out . v_{idx_j}, dq = sum_j d s_j k_{idx_j} scale,
+    """TopKChunk on the CPU kernels (float32): the forward fused from scores to output
+    (ops/topk_attention: no [C, N] scores leave the cache), out = sum_j p_j v_{idx_j}; the backward
+    reads the k chosen rows by index (ops/row_products): d p_j = d_out . v_{idx_j}, dq = sum_j d s_j k_{idx_j} scale,
     and dk, dv added into the chosen rows. No [C, N] rows are built after the selection."""
 
     @staticmethod
@@ -104,11 +106,11 @@ class TopKChunkSparse(torch.autograd.Function):
         b, h, c, d = q.shape
         n = k_t.shape[-1]
         with torch.autocast(q.device.type, enabled=False):
-            index, weights = _select(q, k_t, key_bias, keys)
+            # scores, selection, softmax and the mix of the chosen values, a block of queries at a time
+            out, index, weights = fused_forward(q, k_t, v, key_bias, keys)  # [B, H, C, D], 2 x [B, H, C, k]
         index, weights = index.view(b * h * c, keys), weights.view(b * h * c, keys)
-        out = row_kernels.mix_rows(weights, index, v.view(b * h * n, d), c, n)  # [B*H*C, D]
         ctx.save_for_backward(q, k_rows, v, index, weights)
-        return out.view(b, h, c, d)
+        return out
 
     @staticmethod
     def backward(ctx, d_out):
@@ -150,7 +152,7 @@ class TopKAttention(Attention):
     def implementation(cls, cfg: TopKConfig, device: torch.device) -> str:
         # (a CPU probe tensor: nothing is allocated on the device asked about)
         kernels = "C" if device.type == "cpu" and row_products.takes(torch.empty(0)) else "torch"
-        return f"attentions.topk ({kernels} kernels for selection and k-row products)"
+        return f"attentions.topk ({kernels} kernels: fused scores-to-output forward, k-row products)"
 
     def budget(self) -> str:
         return f"k = {self.cfg.topk}"

@@ -1,4 +1,5 @@
-/* Vectorised building blocks shared by the CPU kernels (grouped_cpu.c, landmark_cpu.c): a
+/* Vectorised building blocks shared by the CPU kernels (grouped, landmark, block gate, row products,
+ * Top-k attention), at the machine's vector width VW (vec.h): a
  * branch-free e^x, lane-wise max and sum, and the products of two rows at once against a block held
  * in the L1 cache (dots2: across keys of a transposed block; mix2: a weighted sum of rows; add_outer:
  * a rank-C gradient update). All static inline: each kernel compiles its own copy. */
@@ -39,58 +40,74 @@ static inline float exp_nonpos(float x) {
  * cost 1/8 of the grouped forward) */
 static inline void copy_row(float *dst, const float *src, int64_t n) {
     int64_t d = 0;
-    for (; d + 8 <= n; d += 8) store8(dst + d, load8(src + d));
+    for (; d + VW <= n; d += VW) storev(dst + d, loadv(src + d));
     for (; d < n; d++) dst[d] = src[d];
 }
 
-/* max and sum of x[0..n) in 8 lanes (a plain float reduction does not vectorise: it fixes the order;
+/* max and sum of x[0..n) in VW lanes (a plain float reduction does not vectorise: it fixes the order;
  * the max as a compare and blend of whole vectors: written lane by lane it stayed scalar) */
 static inline float max_of(const float *x, int64_t n) {
-    v8 lanes = splat8(-INFINITY);
+    vf lanes = splatv(-INFINITY);
     int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        const v8 r = load8(x + j);
-        const v8i more = r > lanes;
-        lanes = (v8)((more & (v8i)r) | (~more & (v8i)lanes));
+    for (; j + VW <= n; j += VW) {
+        const vf r = loadv(x + j);
+        const vfi more = r > lanes;
+        lanes = (vf)((more & (vfi)r) | (~more & (vfi)lanes));
     }
     float top = -INFINITY;
     for (; j < n; j++) top = x[j] > top ? x[j] : top;
-    for (int l = 0; l < 8; l++) top = lanes[l] > top ? lanes[l] : top;
+    for (int l = 0; l < VW; l++) top = lanes[l] > top ? lanes[l] : top;
     return top;
 }
 
 static inline float sum_of(const float *x, int64_t n) {
-    v8 lanes = splat8(0.0f);
+    vf lanes = splatv(0.0f);
     int64_t j = 0;
-    for (; j + 8 <= n; j += 8) lanes += load8(x + j);
+    for (; j + VW <= n; j += VW) lanes += loadv(x + j);
     float total = 0.0f;
     for (; j < n; j++) total += x[j];
-    for (int l = 0; l < 8; l++) total += lanes[l];
-    return total;
+    return total + sumv(lanes);
 }
 
-/* The products of two queries (or d_outs) at once: each block of an expert's buffers is read
- * from the cache once for both, with 32 floats of each result in registers (8 AVX2 registers).
+/* The products of two queries (or d_outs) at once: each block of an expert's buffers is read from
+ * the cache once for both: a tile's rows are loaded into an array of vectors, which the compiler
+ * keeps in registers and feeds to the FMAs of both (taking a loaded row as an FMA's memory operand
+ * instead would load it twice). An FMA has a latency of 4 cycles and two issue a cycle, so 8 independent
+ * accumulators keep them busy: the tiles below hold 8 vectors of results in registers at either
+ * width (across keys: 4 vectors of each row; across the head dim, 32 floats of each row, as 4
+ * vectors at VW 8 and as 2 vectors summed over alternate keys at VW 16).
  * An odd last pair goes through as both halves (the same result written twice). */
+
+/* vectors of each row in dots2's tile across keys */
+#define DOT_NV 4
+/* vectors in 32 floats, and the alternating accumulators that make 8 with two rows */
+#define ROW_NV (32 / VW)
+#define ROW_P (4 / ROW_NV)
 
 /* res_c[j] = init[j] + sum_d x_c[d] t[d * n + j] for j < n and c = 0, 1: x_c [D] against the
  * columns of t [D][n] */
 static inline void dots2(const float *x0, const float *x1, const float *t, const float *init, int64_t n, int64_t D,
-                  float *res0, float *res1) {
+                         float *res0, float *res1) {
     int64_t j0 = 0;
-    for (; j0 + 32 <= n; j0 += 32) {
-        v8 a0 = load8(init + j0), a1 = load8(init + j0 + 8), a2 = load8(init + j0 + 16), a3 = load8(init + j0 + 24);
-        v8 b0 = a0, b1 = a1, b2 = a2, b3 = a3;
+    for (; j0 + DOT_NV * VW <= n; j0 += DOT_NV * VW) {
+        vf a[DOT_NV], b[DOT_NV];
+        for (int v = 0; v < DOT_NV; v++) a[v] = b[v] = loadv(init + j0 + v * VW);
         for (int64_t d = 0; d < D; d++) {
             const float *row = t + d * n + j0;
-            v8 r0 = load8(row), r1 = load8(row + 8), r2 = load8(row + 16), r3 = load8(row + 24);
-            IN_REGISTER(r0); IN_REGISTER(r1); IN_REGISTER(r2); IN_REGISTER(r3);
-            const v8 u = splat8(x0[d]), w = splat8(x1[d]);
-            a0 += u * r0, a1 += u * r1, a2 += u * r2, a3 += u * r3;
-            b0 += w * r0, b1 += w * r1, b2 += w * r2, b3 += w * r3;
+            vf r[DOT_NV];
+            for (int v = 0; v < DOT_NV; v++) r[v] = loadv(row + v * VW);
+            const vf u = splatv(x0[d]), w = splatv(x1[d]);
+            for (int v = 0; v < DOT_NV; v++) a[v] += u * r[v], b[v] += w * r[v];
         }
-        store8(res0 + j0, a0), store8(res0 + j0 + 8, a1), store8(res0 + j0 + 16, a2), store8(res0 + j0 + 24, a3);
-        store8(res1 + j0, b0), store8(res1 + j0 + 8, b1), store8(res1 + j0 + 16, b2), store8(res1 + j0 + 24, b3);
+        for (int v = 0; v < DOT_NV; v++) storev(res0 + j0 + v * VW, a[v]), storev(res1 + j0 + v * VW, b[v]);
+    }
+    for (; j0 + VW <= n; j0 += VW) {
+        vf a = loadv(init + j0), b = a;
+        for (int64_t d = 0; d < D; d++) {
+            const vf r = loadv(t + d * n + j0);
+            a += splatv(x0[d]) * r, b += splatv(x1[d]) * r;
+        }
+        storev(res0 + j0, a), storev(res1 + j0, b);
     }
     for (int64_t j = j0; j < n; j++) {
         float u = init[j], w = init[j];
@@ -105,21 +122,40 @@ static inline void mix2(const float *w0, const float *w1, const float *r, int64_
                         float *res1, int add) {
     int64_t d0 = 0;
     for (; d0 + 32 <= D; d0 += 32) {
-        const v8 zero = splat8(0.0f);
-        v8 a0 = add ? load8(res0 + d0) : zero, a1 = add ? load8(res0 + d0 + 8) : zero;
-        v8 a2 = add ? load8(res0 + d0 + 16) : zero, a3 = add ? load8(res0 + d0 + 24) : zero;
-        v8 b0 = add ? load8(res1 + d0) : zero, b1 = add ? load8(res1 + d0 + 8) : zero;
-        v8 b2 = add ? load8(res1 + d0 + 16) : zero, b3 = add ? load8(res1 + d0 + 24) : zero;
-        for (int64_t j = 0; j < n; j++) {
+        vf a[ROW_P][ROW_NV], b[ROW_P][ROW_NV];
+        for (int p = 0; p < ROW_P; p++)
+            for (int v = 0; v < ROW_NV; v++) {
+                a[p][v] = p == 0 && add ? loadv(res0 + d0 + v * VW) : splatv(0.0f);
+                b[p][v] = p == 0 && add ? loadv(res1 + d0 + v * VW) : splatv(0.0f);
+            }
+        int64_t j = 0;
+        for (; j + ROW_P <= n; j += ROW_P)
+            for (int p = 0; p < ROW_P; p++) {
+                const float *row = r + (j + p) * D + d0;
+                vf x[ROW_NV];
+                for (int v = 0; v < ROW_NV; v++) x[v] = loadv(row + v * VW);
+                const vf u = splatv(w0[j + p]), w = splatv(w1[j + p]);
+                for (int v = 0; v < ROW_NV; v++) a[p][v] += u * x[v], b[p][v] += w * x[v];
+            }
+        for (; j < n; j++) {
             const float *row = r + j * D + d0;
-            v8 r0 = load8(row), r1 = load8(row + 8), r2 = load8(row + 16), r3 = load8(row + 24);
-            IN_REGISTER(r0); IN_REGISTER(r1); IN_REGISTER(r2); IN_REGISTER(r3);
-            const v8 u = splat8(w0[j]), w = splat8(w1[j]);
-            a0 += u * r0, a1 += u * r1, a2 += u * r2, a3 += u * r3;
-            b0 += w * r0, b1 += w * r1, b2 += w * r2, b3 += w * r3;
+            const vf u = splatv(w0[j]), w = splatv(w1[j]);
+            for (int v = 0; v < ROW_NV; v++) {
+                const vf x = loadv(row + v * VW);
+                a[0][v] += u * x, b[0][v] += w * x;
+            }
         }
-        store8(res0 + d0, a0), store8(res0 + d0 + 8, a1), store8(res0 + d0 + 16, a2), store8(res0 + d0 + 24, a3);
-        store8(res1 + d0, b0), store8(res1 + d0 + 8, b1), store8(res1 + d0 + 16, b2), store8(res1 + d0 + 24, b3);
+        for (int p = 1; p < ROW_P; p++)
+            for (int v = 0; v < ROW_NV; v++) a[0][v] += a[p][v], b[0][v] += b[p][v];
+        for (int v = 0; v < ROW_NV; v++) storev(res0 + d0 + v * VW, a[0][v]), storev(res1 + d0 + v * VW, b[0][v]);
+    }
+    for (; d0 + VW <= D; d0 += VW) {
+        vf a = add ? loadv(res0 + d0) : splatv(0.0f), b = add ? loadv(res1 + d0) : splatv(0.0f);
+        for (int64_t j = 0; j < n; j++) {
+            const vf x = loadv(r + j * D + d0);
+            a += splatv(w0[j]) * x, b += splatv(w1[j]) * x;
+        }
+        storev(res0 + d0, a), storev(res1 + d0, b);
     }
     for (int64_t d = d0; d < D; d++) {
         float u = add ? res0[d] : 0.0f, w = add ? res1[d] : 0.0f;
@@ -128,42 +164,89 @@ static inline void mix2(const float *w0, const float *w1, const float *r, int64_
     }
 }
 
+/* out [D] = sum_j w[j] table[(base + idx[j]) D ..]: k rows picked by index and mixed (Top-k attention's
+ * output and dq): 32 floats at a time over alternating picks (8 accumulators), then a vector, then
+ * one by one */
+static inline void mix_picked(const float *w, const int64_t *idx, const float *table, int64_t base, int64_t k,
+                              int64_t D, float *out) {
+    int64_t d0 = 0;
+    for (; d0 + 32 <= D; d0 += 32) {
+        vf a[2 * ROW_P][ROW_NV];
+        for (int p = 0; p < 2 * ROW_P; p++)
+            for (int v = 0; v < ROW_NV; v++) a[p][v] = splatv(0.0f);
+        int64_t j = 0;
+        for (; j + 2 * ROW_P <= k; j += 2 * ROW_P)
+            for (int p = 0; p < 2 * ROW_P; p++) {
+                const vf wj = splatv(w[j + p]);
+                const float *row = table + (base + idx[j + p]) * D + d0;
+                for (int v = 0; v < ROW_NV; v++) a[p][v] += wj * loadv(row + v * VW);
+            }
+        for (; j < k; j++) {
+            const vf wj = splatv(w[j]);
+            const float *row = table + (base + idx[j]) * D + d0;
+            for (int v = 0; v < ROW_NV; v++) a[0][v] += wj * loadv(row + v * VW);
+        }
+        for (int p = 1; p < 2 * ROW_P; p++)
+            for (int v = 0; v < ROW_NV; v++) a[0][v] += a[p][v];
+        for (int v = 0; v < ROW_NV; v++) storev(out + d0 + v * VW, a[0][v]);
+    }
+    for (; d0 + VW <= D; d0 += VW) {
+        vf acc = splatv(0.0f);
+        for (int64_t j = 0; j < k; j++) acc += splatv(w[j]) * loadv(table + (base + idx[j]) * D + d0);
+        storev(out + d0, acc);
+    }
+    for (int64_t d = d0; d < D; d++) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < k; j++) acc += w[j] * table[(base + idx[j]) * D + d];
+        out[d] = acc;
+    }
+}
+
 /* g[j * D + d] += sum_c w[c * n + j] * x[c * D + d]: the rank-C update w^T x of a [n][D] gradient.
  * Two keys at a time: each row of x, loaded once, feeds both (six loads per eight FMAs, against
- * five per four one key at a time, which left the loads, not the FMAs, setting the pace). */
+ * five per four one key at a time, which left the loads, not the FMAs, setting the pace); at VW 16
+ * alternate rows c add into separate accumulators (8 in all). */
 static inline void add_outer(const float *w, const float *x, int64_t rows, int64_t n, int64_t D, float *g) {
     int64_t j = 0;
     if (D % 32 == 0) {
         for (; j + 2 <= n; j += 2) {
             float *g0 = g + j * D, *g1 = g0 + D;
             for (int64_t d0 = 0; d0 < D; d0 += 32) {
-                v8 a0 = load8(g0 + d0), a1 = load8(g0 + d0 + 8), a2 = load8(g0 + d0 + 16), a3 = load8(g0 + d0 + 24);
-                v8 b0 = load8(g1 + d0), b1 = load8(g1 + d0 + 8), b2 = load8(g1 + d0 + 16), b3 = load8(g1 + d0 + 24);
-                for (int64_t c = 0; c < rows; c++) {
-                    const v8 u = splat8(w[c * n + j]), t = splat8(w[c * n + j + 1]);
-                    const float *row = x + c * D + d0;
-                    v8 r0 = load8(row), r1 = load8(row + 8), r2 = load8(row + 16), r3 = load8(row + 24);
-                    IN_REGISTER(r0); IN_REGISTER(r1); IN_REGISTER(r2); IN_REGISTER(r3);
-                    a0 += u * r0, a1 += u * r1, a2 += u * r2, a3 += u * r3;
-                    b0 += t * r0, b1 += t * r1, b2 += t * r2, b3 += t * r3;
+                vf a[ROW_P][ROW_NV], b[ROW_P][ROW_NV];
+                for (int p = 0; p < ROW_P; p++)
+                    for (int v = 0; v < ROW_NV; v++) {
+                        a[p][v] = p == 0 ? loadv(g0 + d0 + v * VW) : splatv(0.0f);
+                        b[p][v] = p == 0 ? loadv(g1 + d0 + v * VW) : splatv(0.0f);
+                    }
+                int64_t c = 0;
+                for (; c + ROW_P <= rows; c += ROW_P)
+                    for (int p = 0; p < ROW_P; p++) {
+                        const vf u = splatv(w[(c + p) * n + j]), t = splatv(w[(c + p) * n + j + 1]);
+                        const float *row = x + (c + p) * D + d0;
+                        vf r[ROW_NV];
+                        for (int v = 0; v < ROW_NV; v++) r[v] = loadv(row + v * VW);
+                        for (int v = 0; v < ROW_NV; v++) a[p][v] += u * r[v], b[p][v] += t * r[v];
+                    }
+                for (; c < rows; c++) {
+                    const vf u = splatv(w[c * n + j]), t = splatv(w[c * n + j + 1]);
+                    for (int v = 0; v < ROW_NV; v++) {
+                        const vf r = loadv(x + c * D + d0 + v * VW);
+                        a[0][v] += u * r, b[0][v] += t * r;
+                    }
                 }
-                store8(g0 + d0, a0), store8(g0 + d0 + 8, a1), store8(g0 + d0 + 16, a2), store8(g0 + d0 + 24, a3);
-                store8(g1 + d0, b0), store8(g1 + d0 + 8, b1), store8(g1 + d0 + 16, b2), store8(g1 + d0 + 24, b3);
+                for (int p = 1; p < ROW_P; p++)
+                    for (int v = 0; v < ROW_NV; v++) a[0][v] += a[p][v], b[0][v] += b[p][v];
+                for (int v = 0; v < ROW_NV; v++) storev(g0 + d0 + v * VW, a[0][v]), storev(g1 + d0 + v * VW, b[0][v]);
             }
         }
     }
     for (; j < n; j++) {
         float *gj = g + j * D;
         int64_t d0 = 0;
-        for (; d0 + 32 <= D; d0 += 32) {
-            v8 a0 = load8(gj + d0), a1 = load8(gj + d0 + 8), a2 = load8(gj + d0 + 16), a3 = load8(gj + d0 + 24);
-            for (int64_t c = 0; c < rows; c++) {
-                const v8 wc = splat8(w[c * n + j]);
-                const float *row = x + c * D + d0;
-                a0 += wc * load8(row), a1 += wc * load8(row + 8);
-                a2 += wc * load8(row + 16), a3 += wc * load8(row + 24);
-            }
-            store8(gj + d0, a0), store8(gj + d0 + 8, a1), store8(gj + d0 + 16, a2), store8(gj + d0 + 24, a3);
+        for (; d0 + VW <= D; d0 += VW) {
+            vf acc = loadv(gj + d0);
+            for (int64_t c = 0; c < rows; c++) acc += splatv(w[c * n + j]) * loadv(x + c * D + d0);
+            storev(gj + d0, acc);
         }
         for (int64_t c = 0; c < rows; c++)
             for (int64_t d = d0; d < D; d++) gj[d] += w[c * n + j] * x[c * D + d];

@@ -13,7 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "vec.h"
+#include "blocks.h"
 
 enum { MIX, DOT, SCATTER };
 
@@ -28,40 +28,15 @@ typedef struct {
     int64_t first, last; /* this thread's queries */
 } Job;
 
-/* out [D] = sum_j w[j] row_j: blocks of 32 then 8 columns in registers, the rest one by one */
-static void mix_one(const float *w, const int64_t *idx, const float *table, int64_t base, int64_t k, int64_t D,
-                    float *out) {
-    int64_t d0 = 0;
-    for (; d0 + 32 <= D; d0 += 32) {
-        v8 a0 = splat8(0.0f), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t j = 0; j < k; j++) {
-            const v8 wj = splat8(w[j]);
-            const float *row = table + (base + idx[j]) * D + d0;
-            a0 += wj * load8(row), a1 += wj * load8(row + 8), a2 += wj * load8(row + 16), a3 += wj * load8(row + 24);
-        }
-        store8(out + d0, a0), store8(out + d0 + 8, a1), store8(out + d0 + 16, a2), store8(out + d0 + 24, a3);
-    }
-    for (; d0 + 8 <= D; d0 += 8) {
-        v8 acc = splat8(0.0f);
-        for (int64_t j = 0; j < k; j++) acc += splat8(w[j]) * load8(table + (base + idx[j]) * D + d0);
-        store8(out + d0, acc);
-    }
-    for (int64_t d = d0; d < D; d++) {
-        float acc = 0.0f;
-        for (int64_t j = 0; j < k; j++) acc += w[j] * table[(base + idx[j]) * D + d];
-        out[d] = acc;
-    }
-}
-
 /* res [k] = x . row_j */
 static void dot_one(const float *x, const int64_t *idx, const float *table, int64_t base, int64_t k, int64_t D,
                     float *res) {
     for (int64_t j = 0; j < k; j++) {
         const float *row = table + (base + idx[j]) * D;
-        v8 acc = splat8(0.0f);
+        vf acc = splatv(0.0f);
         int64_t d = 0;
-        for (; d + 8 <= D; d += 8) acc += load8(x + d) * load8(row + d);
-        float total = sum8(acc);
+        for (; d + VW <= D; d += VW) acc += loadv(x + d) * loadv(row + d);
+        float total = sumv(acc);
         for (; d < D; d++) total += x[d] * row[d];
         res[j] = total;
     }
@@ -71,10 +46,10 @@ static void dot_one(const float *x, const int64_t *idx, const float *table, int6
 static void scatter_one(const float *w, const int64_t *idx, const float *x, int64_t base, int64_t k, int64_t D,
                         float *grad) {
     for (int64_t j = 0; j < k; j++) {
-        const v8 wj = splat8(w[j]);
+        const vf wj = splatv(w[j]);
         float *row = grad + (base + idx[j]) * D;
         int64_t d = 0;
-        for (; d + 8 <= D; d += 8) store8(row + d, load8(row + d) + wj * load8(x + d));
+        for (; d + VW <= D; d += VW) storev(row + d, loadv(row + d) + wj * loadv(x + d));
         for (; d < D; d++) row[d] += w[j] * x[d];
     }
 }
@@ -84,7 +59,7 @@ static void *run_job(void *arg) {
     const int64_t k = a->k, D = a->D;
     for (int64_t r = a->first; r < a->last; r++) {
         const int64_t base = (r / a->per_group) * a->group_rows;
-        if (a->op == MIX) mix_one(a->w + r * k, a->idx + r * k, a->table, base, k, D, a->out + r * D);
+        if (a->op == MIX) mix_picked(a->w + r * k, a->idx + r * k, a->table, base, k, D, a->out + r * D);
         else if (a->op == DOT) dot_one(a->x + r * D, a->idx + r * k, a->table, base, k, D, a->out + r * k);
         else scatter_one(a->w + r * k, a->idx + r * k, a->x + r * D, base, k, D, a->out);
     }

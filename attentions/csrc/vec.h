@@ -1,30 +1,45 @@
-/* Eight-float vectors for the CPU kernels (GCC and Clang vector extensions: AVX on x86-64 with
- * -march=native, two NEON registers on ARM), so the hot loops keep their accumulators in registers
- * instead of leaving the layout to the auto-vectoriser. */
+/* Float vectors for the CPU kernels (GCC and Clang vector extensions), so the hot loops keep their
+ * accumulators in registers instead of leaving the layout to the auto-vectoriser.
+ *
+ * vf: VW floats, as wide as the machine the library is built for (-march=native): 16 where AVX-512
+ * is there, else 8 (AVX2; two NEON registers on ARM). Defining LRA_NARROW builds the 8-wide form on
+ * any machine (the tests build both where AVX-512 is present; attentions/ops/native.py).
+ * v8: always 8 floats, for the register transposes of 8 x 8 tiles. */
 #ifndef LRA_VEC_H
 #define LRA_VEC_H
 
 #include <stdint.h>
 
-typedef float v8 __attribute__((vector_size(32)));
-/* lane masks of comparisons between v8s (all bits set where true) */
-typedef int32_t v8i __attribute__((vector_size(32)));
+#if defined(__AVX512F__) && !defined(LRA_NARROW)
+#define VW 16
+#else
+#define VW 8
+#endif
+
+typedef float vf __attribute__((vector_size(4 * VW)));
+/* lane masks of comparisons between vfs (all bits set where true) */
+typedef int32_t vfi __attribute__((vector_size(4 * VW)));
 /* the same, at any float alignment: loads and stores of table rows */
+typedef float vfu __attribute__((vector_size(4 * VW), aligned(4)));
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));
 
-/* Keeps x in a register. An FMA can take a loaded row as a memory operand, and GCC folds the load
- * into every FMA that uses the row: the two-row products would issue 10 loads per 8 FMAs, more than
- * the two vector loads a cycle the FMAs leave room for. The empty asm is opaque to the compiler, so
- * the row is loaded once and stays in a register. */
-#if defined(__x86_64__) && defined(__AVX__)
-#define IN_REGISTER(x) __asm__("" : "+x"(x))
-#else
-#define IN_REGISTER(x) ((void)0)
-#endif
+/* the width a library was built with (attentions/ops/native.py reports it) */
+int lra_vector_width(void) { return VW; }
+
+static inline vf loadv(const float *p) { return *(const vfu *)p; }
+static inline void storev(float *p, vf x) { *(vfu *)p = x; }
+static inline vf splatv(float x) { return x - (vf){0}; }
+static inline float sumv(vf x) {
+    float total = 0.0f;
+    for (int l = 0; l < VW; l++) total += x[l];
+    return total;
+}
 
 static inline v8 load8(const float *p) { return *(const v8u *)p; }
 static inline void store8(float *p, v8 x) { *(v8u *)p = x; }
 static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
-static inline float sum8(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
 
 #endif

@@ -7,6 +7,10 @@ A machine without a C compiler (or where the build fails) simply has no native k
 ``load`` returns None and says why in ``why_not``; ``refusals`` turns that into the reason an
 operator's C form is not taken, and the operators then run their PyTorch form.
 LRA_KERNEL_CACHE sets the cache folder (default ~/.cache/lra-suite/kernels).
+
+The kernels' vectors are as wide as the CPU (csrc/vec.h: 16 floats with AVX-512, else 8);
+LRA_KERNEL_WIDTH=8 builds the 8-float form on any machine (cached apart), so that both widths can be
+tested and timed on a machine with AVX-512; ``vector_width`` says which width a library was built with.
 """
 from __future__ import annotations
 
@@ -34,6 +38,9 @@ FALLBACK_FLAGS = [
     [f for f in FLAGS if f not in ("-march=native", "-fopenmp")],
 ]
 
+# LRA_KERNEL_WIDTH: "native" (or unset) builds the machine's width, "8" the 8-float form
+WIDTHS = {"": [], "native": [], "8": ["-DLRA_NARROW"]}
+
 _loaded: Dict[str, Optional[ctypes.CDLL]] = {}
 _why_not: Dict[str, str] = {}
 
@@ -56,7 +63,12 @@ def cpu_identity() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _build(source: Path, cc: str, target: Path) -> str:
+def width_flags() -> Optional[List[str]]:
+    """The compiler flags LRA_KERNEL_WIDTH asks for; None for a value it does not take."""
+    return WIDTHS.get(os.environ.get("LRA_KERNEL_WIDTH", "").strip())
+
+
+def _build(source: Path, cc: str, target: Path, extra: List[str]) -> str:
     """Compile ``source`` into ``target`` (atomically: a temporary file renamed); '' or the error."""
     target.parent.mkdir(parents=True, exist_ok=True)
     errors: List[str] = []
@@ -64,7 +76,7 @@ def _build(source: Path, cc: str, target: Path) -> str:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            done = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
+            done = subprocess.run([cc, *flags, *extra, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
             if done.returncode == 0:
                 os.chmod(tmp, 0o755)
                 os.replace(tmp, target)
@@ -84,15 +96,19 @@ def load(name: str) -> Optional[ctypes.CDLL]:
     source = folder / f"{name}.c"
     cc = compiler()
     lib = None
+    extra = width_flags()
     if cc is None:
         _why_not[name] = f"no C compiler found ({os.environ.get('CC', 'cc')!r} is not on PATH; set CC)"
+    elif extra is None:
+        _why_not[name] = (f"LRA_KERNEL_WIDTH={os.environ['LRA_KERNEL_WIDTH']!r} is not a width the kernels "
+                          f"build at: use 8 or native")
     else:
         try:
             # the source, the headers it may include, the compiler, the flags and the CPU
             text = b"".join(path.read_bytes() for path in [source, *sorted(folder.glob("*.h"))])
-            key = hashlib.sha256(text + " ".join([cc, *FLAGS, cpu_identity()]).encode()).hexdigest()[:16]
+            key = hashlib.sha256(text + " ".join([cc, *FLAGS, *extra, cpu_identity()]).encode()).hexdigest()[:16]
             target = cache_dir() / f"{name}-{key}.so"
-            error = "" if target.exists() else _build(source, cc, target)
+            error = "" if target.exists() else _build(source, cc, target, extra)
             if error:
                 _why_not[name] = f"building {source.name} with {cc} failed: {error}"
             else:
@@ -101,6 +117,16 @@ def load(name: str) -> Optional[ctypes.CDLL]:
             _why_not[name] = f"building or loading {source.name} failed: {err}"
     _loaded[name] = lib
     return lib
+
+
+def vector_width(name: str) -> Optional[int]:
+    """Floats per vector in the library of ``<name>.c`` (16 or 8), or None when it is not built here or
+    has no vectors (the dropout kernel)."""
+    lib = load(name)
+    if lib is None or not hasattr(lib, "lra_vector_width"):
+        return None
+    lib.lra_vector_width.restype = ctypes.c_int
+    return int(lib.lra_vector_width())
 
 
 def why_not(name: str) -> str:

@@ -93,13 +93,17 @@ def cell(point: Optional[Dict[str, Any]], text: str) -> str:
     return f"~{text}" if point["estimated"] and text != "n/a" else text
 
 
-def label(backend: str) -> str:
-    """A table's name for ``backend``; the timing reference says what it is."""
-    return f"{backend} (without attention)" if is_timing_reference(backend) else backend
+def label(backend: str, ceiling: bool = False) -> str:
+    """A table's name for ``backend``; the timing reference says what it is (in a speed-up table: the ceiling)."""
+    if not is_timing_reference(backend):
+        return backend
+    return f"{backend} (without attention: the ceiling)" if ceiling else f"{backend} (without attention)"
 
 
-def grid(record: Dict[str, Any], title: str, value: CellValue, backends: Optional[List[str]] = None) -> List[str]:
-    """A markdown table: one row per backend (default: every backend of the sweep), one column per length."""
+def grid(record: Dict[str, Any], title: str, value: CellValue, backends: Optional[List[str]] = None,
+         ceiling: bool = False) -> List[str]:
+    """A markdown table: one row per backend (default: every backend of the sweep), one column per length;
+    ``ceiling``: the timing reference's row is named the ceiling (a speed-up table)."""
     lengths = record["settings"]["lengths"]
     index = {(p["backend"], p["length"]): p for p in record["points"]}
     lines = [f"**{title}**", "", "| backend | " + " | ".join(fmt_length(n) for n in lengths) + " |",
@@ -110,7 +114,7 @@ def grid(record: Dict[str, Any], title: str, value: CellValue, backends: Optiona
             point = index.get((backend, n))
             timed = point is not None and point["status"] in TIMED
             cells.append(cell(point, value(point, index) if timed else ""))
-        lines.append(f"| {label(backend)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label(backend, ceiling)} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
@@ -205,14 +209,14 @@ def markdown(record: Dict[str, Any]) -> str:
     lines = header(record)
     with_full = "full" in record["settings"]["backends"]
     lines += grid(record, "Train throughput (tokens/s)", lambda p, _: fmt_count(p["tokens_per_s"]["train"]))
-    lines += grid(record, "Train speedup over full", speedup("train")) if with_full else []
+    lines += grid(record, "Train speedup over full", speedup("train"), ceiling=True) if with_full else []
     shared = [b for b in record["settings"]["backends"] if b != "full" and not is_timing_reference(b)]
     if with_full and shared and any(is_timing_reference(b) for b in record["settings"]["backends"]):
         lines += grid(record, "Train share of the ceiling", ceiling_share("train"), shared)
     lines += grid(record, "Train time (median, spread)",
                   lambda p, _: f"{fmt_time(p['train']['median_s'])} ±{p['train']['spread']:.0%}")
     lines += grid(record, "Forward throughput (tokens/s)", lambda p, _: fmt_count(p["tokens_per_s"]["forward"]))
-    lines += grid(record, "Forward speedup over full", speedup("forward")) if with_full else []
+    lines += grid(record, "Forward speedup over full", speedup("forward"), ceiling=True) if with_full else []
     lines += grid(record, f"Peak memory ({memory_kind(record)})", lambda p, _: fmt_mem(p.get("peak_mem_mb")))
     if record["level"] == "model":
         lines += grid(record, "Batch size", lambda p, _: str(p["batch"]))

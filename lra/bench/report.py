@@ -176,7 +176,8 @@ def header(record: Dict[str, Any]) -> List[str]:
         "`~` = estimated from a slice of the queries against all N keys (cost linear in the queries); "
         "`(status)` = not run, the backend already failed at a shorter length.",
     ] + ([
-        "`(without attention)`: the model with out = v in place of attention; full over it is the ceiling, the "
+        f"`(without attention)`: {'a call that returns v' if record['level'] == 'attention' else 'the model with out = v in place of attention'}; "
+        "full over it is the ceiling, the "
         "largest speed-up any backend can reach, and a backend's share of the ceiling is "
         "(t_full - t_backend) / (t_full - t_none), the fraction of the attention's time it removes."
     ] if any(is_timing_reference(b) for b in s["backends"]) else []) + ([] if record.get("complete", True) else [

@@ -163,6 +163,7 @@ def header(record: Dict[str, Any]) -> List[str]:
                 f"batch {batch}" + (", padded rows (lengths N/2..N, masked)" if s.get("padded") else ""))
         modes = "forward = one inference step; train = forward + backward + AdamW step"
     load = record["load_average"]
+    without = "a call that returns v" if record["level"] == "attention" else "the model with out = v in place of attention"
     threads = s["threads"] or hw["torch_threads"]
     cap = f", memory cap {s['max_mem_gb']} GiB a point" if s.get("max_mem_gb") else ""
     return [
@@ -176,10 +177,9 @@ def header(record: Dict[str, Any]) -> List[str]:
         "`~` = estimated from a slice of the queries against all N keys (cost linear in the queries); "
         "`(status)` = not run, the backend already failed at a shorter length.",
     ] + ([
-        f"`(without attention)`: {'a call that returns v' if record['level'] == 'attention' else 'the model with out = v in place of attention'}; "
-        "full over it is the ceiling, the "
-        "largest speed-up any backend can reach, and a backend's share of the ceiling is "
-        "(t_full - t_backend) / (t_full - t_none), the fraction of the attention's time it removes."
+        f"`(without attention)`: {without}; full over it is the ceiling, the largest speed-up any backend can "
+        "reach, and a backend's share of the ceiling is (t_full - t_backend) / (t_full - t_none), the fraction "
+        "of the attention's time it removes."
     ] if any(is_timing_reference(b) for b in s["backends"]) else []) + ([] if record.get("complete", True) else [
         "**Incomplete sweep**: it was stopped before every point ran; an empty cell was not measured."
     ]) + [
@@ -211,9 +211,9 @@ def markdown(record: Dict[str, Any]) -> str:
     with_full = "full" in record["settings"]["backends"]
     lines += grid(record, "Train throughput (tokens/s)", lambda p, _: fmt_count(p["tokens_per_s"]["train"]))
     lines += grid(record, "Train speedup over full", speedup("train"), ceiling=True) if with_full else []
-    shared = [b for b in record["settings"]["backends"] if b != "full" and not is_timing_reference(b)]
-    if with_full and shared and any(is_timing_reference(b) for b in record["settings"]["backends"]):
-        lines += grid(record, "Train share of the ceiling", ceiling_share("train"), shared)
+    others = [b for b in record["settings"]["backends"] if b != "full" and not is_timing_reference(b)]
+    if with_full and others and any(is_timing_reference(b) for b in record["settings"]["backends"]):
+        lines += grid(record, "Train share of the ceiling", ceiling_share("train"), others)
     lines += grid(record, "Train time (median, spread)",
                   lambda p, _: f"{fmt_time(p['train']['median_s'])} ±{p['train']['spread']:.0%}")
     lines += grid(record, "Forward throughput (tokens/s)", lambda p, _: fmt_count(p["tokens_per_s"]["forward"]))

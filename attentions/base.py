@@ -12,7 +12,8 @@ number of keys one query attends to (``budget``), its cost in N, and where it si
 paper's five-dimensional taxonomy. It also owns the facts the benchmark and the device check need:
 whether it routes (``routes``), its FLOP count where one is meaningful (``flops``), whether a slice of
 its queries can be timed alone (``independent_queries`` + ``attend``) and which implementation runs
-on a device (``implementation``). The registry (``registry.py``) builds backends from names.
+on a device (``implementation``). A timing reference (``timing_only``, the ``none`` backend) is
+built and timed like a backend but never trained or listed by default. The registry (``registry.py``) builds backends from names.
 """
 from __future__ import annotations
 
@@ -94,6 +95,9 @@ class Attention(nn.Module):
     # where the built-ins are listed (registry, tables): full first, MiTA last; a plugin's default
     # puts it after them, in name order
     order: ClassVar[float] = float("inf")
+    # a timing reference, not a backend to train (``none``, the model without attention): left out of
+    # list_attentions() (battery, tables, sweeps), refused by lra-run, timed by lra-bench when named
+    timing_only: ClassVar[bool] = False
 
     def __init__(self, dims: AttnDims, cfg: object) -> None:
         super().__init__()

@@ -26,7 +26,7 @@ from .base import Attention, AttentionError, AttnDims
 # the modules of attentions/backends/ that register the built-in backends, imported on first use
 BUILTINS = ("full", "linear", "linformer", "moba", "topk", "agent", "mita", "local", "sparse_transformer",
             "longformer", "cosformer", "synthesizer", "reformer", "informer", "performer", "nystromformer",
-            "ttt", "bigbird", "sinkhorn", "skyformer", "kernelized")
+            "ttt", "bigbird", "sinkhorn", "skyformer", "kernelized", "none")
 
 _REGISTRY: Dict[str, Type[Attention]] = {}
 _builtins_loaded = False
@@ -113,11 +113,19 @@ def load_attention_module(path: str) -> List[str]:
     return list(_loaded_files[file.resolve()])
 
 
-def list_attentions() -> List[str]:
-    """Every registered backend name: the built-ins in their ``order``, then the others by name."""
+def list_attentions(timing: bool = False) -> List[str]:
+    """Every registered backend name: the built-ins in their ``order``, then the others by name.
+    Timing references (``Attention.timing_only``: ``none``) only with ``timing=True``."""
     _load_builtins()
     _load_entry_points()
-    return sorted(_REGISTRY, key=lambda n: (not _builtin(_REGISTRY[n]), _REGISTRY[n].order, n))
+    names = [n for n in _REGISTRY if timing or not _REGISTRY[n].timing_only]
+    return sorted(names, key=lambda n: (not _builtin(_REGISTRY[n]), _REGISTRY[n].order, n))
+
+
+def is_timing_reference(name: str) -> bool:
+    """Whether ``name`` is a registered timing reference (``none``), not a backend to train or tabulate."""
+    list_attentions()
+    return name in _REGISTRY and _REGISTRY[name].timing_only
 
 
 def get_attention(name: str) -> Type[Attention]:

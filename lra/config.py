@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import yaml
 
-from attentions import AttentionError, build_config, list_attentions, origin
+from attentions import AttentionError, build_config, is_timing_reference, list_attentions, origin
 from attentions.registry import coerce
 
 from .errors import UserError
@@ -233,6 +233,9 @@ def resolve(
     configs: Optional[List[str]] = None,
 ) -> RunConfig:
     """Build the run's configuration from the layers above. Every error is a UserError."""
+    if is_timing_reference(attn):
+        raise UserError(f"{attn} is a timing reference (the model without attention), not a backend to train; "
+                        "lra-bench and scripts/step_compare.py time it")
     cfg = RunConfig(task=task, attn=attn, preset=preset, seed=seed)
     task_file = CONFIG_DIR / "tasks" / f"{task}.yaml"
     if not task_file.is_file():

@@ -68,9 +68,10 @@ def parse_lengths(text: str) -> List[int]:
 
 
 def parse_backends(text: Optional[str]) -> List[str]:
-    known = list_attentions()
+    """The backends named (``none``, the model without attention, only when named), or every one."""
     if text is None:
-        return known
+        return list_attentions()
+    known = list_attentions(timing=True)
     names = [name.strip() for name in text.split(",") if name.strip()]
     for name in names:
         if name not in known:
@@ -100,7 +101,8 @@ def parser() -> Parser:
     attention = sub.add_parser("attention", help="one attention call on [B, H, N, D]: forward, forward + backward")
     model = sub.add_parser("model", help="3-layer encoder of width 128: inference step, training step, batch searched")
     for level, q in (("attention", attention), ("model", model)):
-        q.add_argument("--attn", help=f"backends, comma-separated (default: all registered: {', '.join(list_attentions())})")
+        q.add_argument("--attn", help=f"backends, comma-separated (default: all registered: {', '.join(list_attentions())}); "
+                       "none: the model without attention, whose time full's is divided by for the ceiling")
         q.add_argument("--lengths", default=DEFAULT_LENGTHS[level], help=f"k = 1024, m = 1024^2 (default {DEFAULT_LENGTHS[level]})")
         q.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
         q.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="default: cuda if present")

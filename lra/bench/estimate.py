@@ -3,8 +3,8 @@
 Where every query's output depends on that query and all N keys only (a backend's
 ``independent_queries``: full and top-k attention), the cost of N queries is N / S times the cost
 of a slice of S queries against all N keys: time the slice, scale it linearly. At the model level the attention is timed that way and the rest of the
-model (embeddings, projections, FFN, optimizer) is timed for real with the attention replaced by a
-pass-through, then the two are added: rest + layers x attention. Every such point is ``estimated``.
+model (embeddings, projections, FFN, optimizer) is timed for real with the attention replaced by the
+``none`` backend (out = v), then the two are added: rest + layers x attention. Every such point is ``estimated``.
 """
 from __future__ import annotations
 
@@ -40,12 +40,3 @@ def slice_fn(attn: nn.Module) -> Optional[SliceFn]:
     """How to run a slice of queries over all keys: the backend's ``attend`` when its queries are
     independent (``Attention.independent_queries``, e.g. full and top-k attention), else None."""
     return attn.attend if getattr(attn, "independent_queries", False) else None
-
-
-class PassThrough(nn.Module):
-    """Stands in for the attention when the rest of the model is timed: returns the values."""
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
-        return v

@@ -19,9 +19,11 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
+from attentions import build_attention
+
 from ..machine.allocator import keep_freed_memory
 from ..files import write_atomic
-from .estimate import PassThrough, add_stats, scale_stats, slice_fn
+from .estimate import add_stats, scale_stats, slice_fn
 from .measure import OverBudget, PeakMemory, cap_address_space, is_oom, measure, timed
 from .workloads import (
     Modes,
@@ -103,10 +105,10 @@ def model_point(
         raw = measure(attention_modes(attn, slicer, sizes, queries, device, dtype), spec["warmup"],
                       min(spec["repeats"], 3), deadline, device, slice_memory)
         scale = n / queries
-        # the rest of the model timed for real, the attention replaced by a pass-through
+        # the rest of the model timed for real, the attention replaced by none (out = v)
         originals = [block.attn for block in blocks]
         for block in blocks:
-            block.attn = PassThrough()
+            block.attn = build_attention("none", num_heads=spec["heads"], head_dim=sizes["head_dim"], max_len=n)
         rest = measure(model_modes(model, spec, device, dtype), spec["warmup"], spec["repeats"], deadline, device,
                        slice_memory)
         for block, original in zip(blocks, originals):

@@ -4,11 +4,17 @@ The slope of time against N on log-log axes is the exponent of the cost: about 2
 attention, about 1 for a linear-cost method. It is fitted by least squares over every point that
 has a time (measured or estimated), and also given between the two longest such lengths, where
 fixed overheads weigh least.
+
+A sweep that names ``none`` (the model without attention) has its ceiling: full's time over none's,
+the largest speed-up any backend can reach, and each backend's share of it,
+(t_full - t_backend) / (t_full - t_none): the fraction of the attention's time the backend removes.
 """
 from __future__ import annotations
 
 import math
 from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from attentions import is_timing_reference
 
 from ..machine import describe
 from ..format import fmt_count
@@ -87,19 +93,28 @@ def cell(point: Optional[Dict[str, Any]], text: str) -> str:
     return f"~{text}" if point["estimated"] and text != "n/a" else text
 
 
-def grid(record: Dict[str, Any], title: str, value: CellValue) -> List[str]:
-    """A markdown table: one row per backend, one column per length."""
+def label(backend: str, ceiling: bool = False) -> str:
+    """A table's name for ``backend``; the timing reference says what it is (in a speed-up table: the ceiling)."""
+    if not is_timing_reference(backend):
+        return backend
+    return f"{backend} (without attention: the ceiling)" if ceiling else f"{backend} (without attention)"
+
+
+def grid(record: Dict[str, Any], title: str, value: CellValue, backends: Optional[List[str]] = None,
+         ceiling: bool = False) -> List[str]:
+    """A markdown table: one row per backend (default: every backend of the sweep), one column per length;
+    ``ceiling``: the timing reference's row is named the ceiling (a speed-up table)."""
     lengths = record["settings"]["lengths"]
     index = {(p["backend"], p["length"]): p for p in record["points"]}
     lines = [f"**{title}**", "", "| backend | " + " | ".join(fmt_length(n) for n in lengths) + " |",
              "|---|" + "---:|" * len(lengths)]
-    for backend in record["settings"]["backends"]:
+    for backend in record["settings"]["backends"] if backends is None else backends:
         cells = []
         for n in lengths:
             point = index.get((backend, n))
             timed = point is not None and point["status"] in TIMED
             cells.append(cell(point, value(point, index) if timed else ""))
-        lines.append(f"| {backend} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label(backend, ceiling)} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
@@ -117,6 +132,26 @@ def speedup(mode: str) -> CellValue:
     return value
 
 
+def ceiling_share(mode: str) -> CellValue:
+    """(t_full - t_backend) / (t_full - t_none) per sequence, at the same length: the share of the
+    attention's time (full's step minus the step without attention) that the backend removes."""
+    def value(point: Dict[str, Any], index: Dict[Any, Dict[str, Any]]) -> str:
+        full, none = index.get(("full", point["length"])), index.get((ceiling_of(index), point["length"]))
+        if full is None or none is None or full["status"] not in TIMED or none["status"] not in TIMED:
+            return "n/a"
+        t_full, t_none, t_backend = (p[mode]["median_s"] / p["batch"] for p in (full, none, point))
+        if t_full <= t_none:
+            return "n/a"
+        marked = "~" if (full["estimated"] or none["estimated"]) and not point["estimated"] else ""
+        return f"{marked}{(t_full - t_backend) / (t_full - t_none):.0%}"
+    return value
+
+
+def ceiling_of(index: Dict[Any, Dict[str, Any]]) -> str:
+    """The timing reference's name among the points (``none``)."""
+    return next((b for b, _ in index if is_timing_reference(b)), "none")
+
+
 def header(record: Dict[str, Any]) -> List[str]:
     s, hw = record["settings"], record["hardware"]
     if record["level"] == "attention":
@@ -128,6 +163,7 @@ def header(record: Dict[str, Any]) -> List[str]:
                 f"batch {batch}" + (", padded rows (lengths N/2..N, masked)" if s.get("padded") else ""))
         modes = "forward = one inference step; train = forward + backward + AdamW step"
     load = record["load_average"]
+    without = "a call that returns v" if record["level"] == "attention" else "the model with out = v in place of attention"
     threads = s["threads"] or hw["torch_threads"]
     cap = f", memory cap {s['max_mem_gb']} GiB a point" if s.get("max_mem_gb") else ""
     return [
@@ -140,7 +176,11 @@ def header(record: Dict[str, Any]) -> List[str]:
         f"budget {s['budget_s']:.0f} s a point{cap}.",
         "`~` = estimated from a slice of the queries against all N keys (cost linear in the queries); "
         "`(status)` = not run, the backend already failed at a shorter length.",
-    ] + ([] if record.get("complete", True) else [
+    ] + ([
+        f"`(without attention)`: {without}; full over it is the ceiling, the largest speed-up any backend can "
+        "reach, and a backend's share of the ceiling is (t_full - t_backend) / (t_full - t_none), the fraction "
+        "of the attention's time it removes."
+    ] if any(is_timing_reference(b) for b in s["backends"]) else []) + ([] if record.get("complete", True) else [
         "**Incomplete sweep**: it was stopped before every point ran; an empty cell was not measured."
     ]) + [
         "",
@@ -170,11 +210,14 @@ def markdown(record: Dict[str, Any]) -> str:
     lines = header(record)
     with_full = "full" in record["settings"]["backends"]
     lines += grid(record, "Train throughput (tokens/s)", lambda p, _: fmt_count(p["tokens_per_s"]["train"]))
-    lines += grid(record, "Train speedup over full", speedup("train")) if with_full else []
+    lines += grid(record, "Train speedup over full", speedup("train"), ceiling=True) if with_full else []
+    others = [b for b in record["settings"]["backends"] if b != "full" and not is_timing_reference(b)]
+    if with_full and others and any(is_timing_reference(b) for b in record["settings"]["backends"]):
+        lines += grid(record, "Train share of the ceiling", ceiling_share("train"), others)
     lines += grid(record, "Train time (median, spread)",
                   lambda p, _: f"{fmt_time(p['train']['median_s'])} ±{p['train']['spread']:.0%}")
     lines += grid(record, "Forward throughput (tokens/s)", lambda p, _: fmt_count(p["tokens_per_s"]["forward"]))
-    lines += grid(record, "Forward speedup over full", speedup("forward")) if with_full else []
+    lines += grid(record, "Forward speedup over full", speedup("forward"), ceiling=True) if with_full else []
     lines += grid(record, f"Peak memory ({memory_kind(record)})", lambda p, _: fmt_mem(p.get("peak_mem_mb")))
     if record["level"] == "model":
         lines += grid(record, "Batch size", lambda p, _: str(p["batch"]))
@@ -182,7 +225,7 @@ def markdown(record: Dict[str, Any]) -> str:
               "| backend | forward | train |", "|---|---:|---:|"]
     for backend, entry in record["slopes"].items():
         est = " (with estimates)" if entry["estimated_lengths"] else ""
-        lines.append(f"| {backend}{est} | {fmt_slope(entry['forward'])} / {fmt_slope(entry['forward_last_two'])} | "
+        lines.append(f"| {label(backend)}{est} | {fmt_slope(entry['forward'])} / {fmt_slope(entry['forward_last_two'])} | "
                      f"{fmt_slope(entry['train'])} / {fmt_slope(entry['train_last_two'])} |")
     lines.append("")
     lines += efficiency_lines(record)

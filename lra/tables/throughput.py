@@ -1,10 +1,14 @@
 """Throughput tables from lra-bench sweep records: train tokens/s by backend and length, and the
-speedup of each backend over full attention at model level beside the published speedups."""
+speedup of each backend over full attention at model level beside the published speedups. A timing
+reference in a record (``none``, the model without attention, which lra-bench times when named) is
+left out: its ceiling is in the sweep's own table.md."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
+
+from attentions import is_timing_reference
 
 from ..bench.record import read_record
 from ..errors import UserError
@@ -18,7 +22,7 @@ def throughput_table(path: Path, data: Dict[str, Any]) -> Optional[Table]:
         if not isinstance(p, dict):
             continue
         backend, length = p.get("backend", p.get("attn")), p.get("length", p.get("n"))
-        if backend is None or not isinstance(length, int):
+        if backend is None or not isinstance(length, int) or is_timing_reference(backend):
             continue
         rate = p.get("tokens_per_s")
         rate = rate.get("train") if isinstance(rate, dict) else rate
@@ -67,7 +71,8 @@ def rates_of(data: Dict[str, Any], mode: str) -> Dict[Tuple[str, int], Tuple[flo
     for p in data.get("points") or []:
         rate = p.get("tokens_per_s", {}).get(mode) if isinstance(p, dict) and isinstance(p.get("tokens_per_s"), dict) else None
         backend, length = p.get("backend", p.get("attn")), p.get("length", p.get("n"))
-        if isinstance(rate, (int, float)) and p.get("status", "ok") in ("ok", "estimated") and backend and isinstance(length, int):
+        if (isinstance(rate, (int, float)) and p.get("status", "ok") in ("ok", "estimated") and backend
+                and isinstance(length, int) and not is_timing_reference(backend)):
             rates[(backend, length)] = (float(rate), bool(p.get("estimated")))
     return rates
 

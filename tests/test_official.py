@@ -3,8 +3,11 @@ attention width apart from the model width, the sinusoidal position table and th
 each checked against the JAX code's computation restated by hand."""
 from __future__ import annotations
 
+import json
 import math
 import re
+from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -169,3 +172,22 @@ def test_official_preset_refuses_a_task_the_paper_lacks() -> None:
 def test_bad_values_are_one_line_errors(sets: list, match: str) -> None:
     with pytest.raises(UserError, match=match):
         resolve("listops", "full", "paper", sets)
+
+
+def test_a_small_official_run_trains_on_the_jax_schedule(tmp_path: Path, listops_data: Path, cli: Callable) -> None:
+    # the official ListOps protocol, shrunk: sinusoidal positions, a cls token, qkv_dim apart from dim,
+    # flax's Adam and the rsqrt schedule all through lra-run's loop
+    ran = cli("lra-run", "--task", "listops", "--attn", "full", "--preset", "official", "--quiet", "--no-estimate",
+              "--data-dir", listops_data, "--out", tmp_path / "runs", "--set", "model.dim=16", "model.qkv_dim=8", "model.num_heads=2",
+              "model.ffn_dim=16", "model.num_layers=1", "data.size=256", "data.max_len=128", "train.steps=6",
+              "train.warmup_steps=4", "train.eval_every=3", "train.eval_batches=1", "train.test_batches=1",
+              "train.log_every=1", "train.threads=1")
+    assert ran.code == 0, ran.err
+    (path,) = (tmp_path / "runs").glob("*/record.json")
+    folder = path.parent
+    record = json.loads((folder / "record.json").read_text())
+    assert record["status"] == "completed" and record["steps"] == 6
+    logged = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    rates = [row["lr"] for row in logged if "lr" in row]
+    # the line of step s holds the rate of its last optimizer step, s - 1 (0-based)
+    assert rates == pytest.approx([0.05 * min(1.0, s / 4) / math.sqrt(max(s, 4)) for s in range(6)])

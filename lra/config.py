@@ -44,8 +44,18 @@ class ModelConfig:
     num_heads: int = 2
     ffn_dim: int = 128
     dropout: float = 0.1
+    # attention width, split over the heads (head_dim = qkv_dim / num_heads), projected back to dim
+    # after attention, as the LRA JAX SelfAttention's qkv_features; 0 = dim
+    qkv_dim: int = 0
+    # position embeddings added to the tokens: "learned" (a table initialised N(0, 0.02)) or "sinusoidal"
+    # (the fixed sin/cos table of the LRA JAX AddPositionEmbs when learn_pos_emb is False)
+    positions: str = "learned"
     # "mean" (over real tokens only) or "cls" (a learned token prepended to the sequence)
     pooling: str = "mean"
+    # the classifier head: "mlp" (Linear(features, ffn_dim), ReLU, Linear(ffn_dim, classes); a dual
+    # task's features are [u, v, u*v, u-v]) or "lra" (the LRA JAX heads: the same for one sequence;
+    # for two, [u, v] through Linear(2 dim, ffn_dim), ReLU, Linear(ffn_dim, ffn_dim // 2), ReLU, Linear)
+    head: str = "mlp"
     # the MiTA paper's output gate, for any backend: attention output x SiLU(g), g a fourth projection view
     gate: bool = False
 
@@ -57,6 +67,17 @@ class TrainConfig:
     lr: float = 1e-4
     weight_decay: float = 0.0
     warmup_steps: int = 1000
+    # the learning rate of step s (0-based), lra/run/loop.py lr_at: "linear" (warmup to lr, then
+    # linear decay to 0), or the LRA JAX schedules (lra_benchmarks/utils/train_utils.py):
+    # "rsqrt" = lr * min(1, s / warmup) / sqrt(max(s, warmup)) (lr is the constant, not the peak),
+    # "cosine" = lr * min(1, s / warmup) * cosine decay over steps_per_cycle steps after the warmup
+    schedule: str = "linear"
+    # the cosine schedule's cycle length in steps (0 = train.steps)
+    steps_per_cycle: int = 0
+    # "adamw" (torch's AdamW at its defaults: betas 0.9 / 0.999, eps 1e-8) or "lra" (the LRA JAX
+    # train scripts' flax Adam: betas 0.9 / 0.98, eps 1e-9, weight decay lr * weight_decay * w
+    # taken from every weight at each step, which torch's AdamW computes the same way)
+    optimizer: str = "adamw"
     # evaluate on the validation split every eval_every steps, on eval_batches batches (0 = all)
     eval_every: int = 50
     eval_batches: int = 0
@@ -258,11 +279,14 @@ def resolve(
     usable = ", ".join(["paper"] + sorted(n for n in task_presets if n != preset))
     if preset in refused:
         raise UserError(f"preset {preset!r} is refused for task {task!r}: {refused[preset]}; use --preset {usable}")
-    # a preset marked tasks_required (cpu, smoke) runs only on the tasks that define their values for it
-    if preset_values.pop("tasks_required", False) and preset not in task_presets:
+    # a preset marked tasks_required (cpu, smoke, official) runs only on the tasks that define their values
+    # for it; the mark may be the reason a task has none
+    required = preset_values.pop("tasks_required", False)
+    if required and preset not in task_presets:
         has = sorted(n.stem for n in (CONFIG_DIR / "tasks").glob("*.yaml") if preset in (read_yaml(n).get("presets") or {}))
+        why = required if isinstance(required, str) else "none measured yet"
         raise UserError(
-            f"preset {preset!r} has no values for task {task!r} (none measured yet); "
+            f"preset {preset!r} has no values for task {task!r} ({why}); "
             f"it exists for: {', '.join(has) or 'no task'}; use --preset {usable}"
         )
     _apply_file(cfg, preset_values, str(preset_file))
@@ -334,6 +358,17 @@ def _upto(high: int, low_text: str) -> str:
     return f"{low_text} to {high:,}"
 
 
+# (value, choices): every field whose value is one of a fixed set of names
+CHOICES: List[Tuple[str, Tuple[str, ...]]] = [
+    ("model.pooling", ("mean", "cls")),
+    ("model.positions", ("learned", "sinusoidal")),
+    ("model.head", ("mlp", "lra")),
+    ("train.schedule", ("linear", "rsqrt", "cosine")),
+    ("train.optimizer", ("adamw", "lra")),
+    ("train.precision", ("auto", "fp32", "bf16")),
+]
+
+
 # (value, test, what is valid): every number a run reads, checked when the config is resolved
 RANGES: List[Tuple[str, Callable[[Any], bool], str]] = [
     ("--seed", _within(0, MAX_SEED), _upto(MAX_SEED, "0")),
@@ -342,11 +377,13 @@ RANGES: List[Tuple[str, Callable[[Any], bool], str]] = [
     ("model.num_heads", _within(1, MAX_WIDTH), _upto(MAX_WIDTH, "1")),
     ("model.ffn_dim", _within(1, 16 * MAX_WIDTH), _upto(16 * MAX_WIDTH, "1")),
     ("model.dropout", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    ("model.qkv_dim", _within(0, MAX_WIDTH), _upto(MAX_WIDTH, "0 (model.dim)")),
     ("train.steps", _within(0, MAX_STEPS), _upto(MAX_STEPS, "0 (evaluate the initial weights, no training)")),
     ("train.batch_size", _within(1, MAX_BATCH), _upto(MAX_BATCH, "1")),
     ("train.lr", _positive, "a positive, finite number"),
     ("train.weight_decay", _at_least(0), "0 or more, finite"),
     ("train.warmup_steps", _within(0, MAX_STEPS), _upto(MAX_STEPS, "0")),
+    ("train.steps_per_cycle", _within(0, MAX_STEPS), _upto(MAX_STEPS, "0 (train.steps)")),
     ("train.eval_every", _within(1, MAX_STEPS), _upto(MAX_STEPS, "1")),
     ("train.eval_batches", _within(0, MAX_STEPS), _upto(MAX_STEPS, "0 (all)")),
     ("train.test_batches", _within(0, MAX_STEPS), _upto(MAX_STEPS, "0 (all)")),
@@ -375,13 +412,16 @@ def validate(cfg: RunConfig) -> None:
     for path, test, valid in RANGES:
         if not test(_value(cfg, path)):
             raise UserError(f"{path} must be {valid}, got {_value(cfg, path)!r}")
-    if cfg.model.pooling not in ("mean", "cls"):
-        raise UserError(f"model.pooling must be 'mean' or 'cls', got {cfg.model.pooling!r}")
-    if cfg.model.dim % cfg.model.num_heads:
-        raise UserError(f"model.dim ({cfg.model.dim}) must be divisible by model.num_heads ({cfg.model.num_heads})")
+    for path, choices in CHOICES:
+        if _value(cfg, path) not in choices:
+            raise UserError(f"{path} must be one of {', '.join(choices)}, got {_value(cfg, path)!r}")
+    width = cfg.model.qkv_dim or cfg.model.dim
+    if width % cfg.model.num_heads:
+        name = "model.qkv_dim" if cfg.model.qkv_dim else "model.dim"
+        raise UserError(f"{name} ({width}) must be divisible by model.num_heads ({cfg.model.num_heads})")
+    if cfg.train.schedule in ("rsqrt", "cosine") and cfg.train.warmup_steps == 0:
+        raise UserError(f"train.schedule={cfg.train.schedule} divides by train.warmup_steps: give it 1 or more")
     check_tracker(cfg.train.tracker)
-    if cfg.train.precision not in ("auto", "fp32", "bf16"):
-        raise UserError(f"train.precision must be auto, fp32 or bf16, got {cfg.train.precision!r}")
     if cfg.attn not in list_attentions():
         raise UserError(f"unknown attention {cfg.attn!r}; known: {', '.join(list_attentions())}")
     try:

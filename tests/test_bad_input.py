@@ -219,7 +219,7 @@ CASES: Dict[str, Case] = {
     "workers-0": Case(run_args("data.workers=0"), "data.workers must be 1 to 1,024, got 0"),
     "seed-negative": Case(run_args(extra=("--seed", "-1")), "--seed must be 0 to 4,294,967,295, got -1"),
     "seed-not-a-number": Case(run_args(extra=("--seed", "x")), "argument --seed: invalid int value: 'x'"),
-    "precision": Case(run_args("train.precision=fp8"), "train.precision must be auto, fp32 or bf16"),
+    "precision": Case(run_args("train.precision=fp8"), "train.precision must be one of auto, fp32, bf16"),
     # upper bounds, the valid range in the message
     "steps-absurd": Case(run_args("train.steps=1000000000000000"), "train.steps must be 0 (evaluate the initial weights, "
                          "no training) to 100,000,000, got 1000000000000000"),

@@ -67,7 +67,7 @@ def task_setting(name: str, task: Optional[str], preset: str, sets: List[str]) -
         return Sizes(), options
     cfg = resolve(task, name, preset, sets=sets)
     length = get_task(task).max_len(cfg.data) + (1 if cfg.model.pooling == "cls" else 0)
-    return Sizes(heads=cfg.model.num_heads, length=length, head_dim=cfg.model.dim // cfg.model.num_heads), cfg.attn_options
+    return Sizes(heads=cfg.model.num_heads, length=length, head_dim=(cfg.model.qkv_dim or cfg.model.dim) // cfg.model.num_heads), cfg.attn_options
 
 
 def print_report(report: Report, sizes: Sizes, options: Dict[str, Any]) -> None:

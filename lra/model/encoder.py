@@ -1,15 +1,18 @@
-"""The LRA encoder: token + position embeddings, pre-LayerNorm blocks, pooling, a classifier head
-(or, for a token-level task, no pooling and the head applied at every position).
+"""The LRA encoder: token + position embeddings (learned or sinusoidal), pre-LayerNorm blocks, pooling,
+a classifier head (or, for a token-level task, no pooling and the head applied at every position).
 
 The attention in each block is built from the ``attentions`` registry; the Q/K/V and output
 projections live here, once, so every backend gets the same parameters around it. Retrieval uses
-the dual head: both documents are encoded by the same encoder and combined as [u, v, u*v, u-v].
+the dual head: both documents are encoded by the same encoder and combined as [u, v, u*v, u-v]
+(``model.head=lra``: as [u, v], through the LRA JAX code's two-hidden-layer classifier_head_dual).
 The padding mask comes from each row's length, never from token ids (pixel 0 is real data).
 Dropout on the CPU runs on a compiled kernel (lra/model/dropout.py): torch's took a fifth of a step.
 """
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -31,13 +34,15 @@ class Block(nn.Module):
         super().__init__()
         self.heads = cfg.num_heads
         self.gate = cfg.gate
+        # the attention width W (model.qkv_dim; 0 = the model's width)
+        self.width = cfg.qkv_dim or cfg.dim
         self.norm1 = nn.LayerNorm(cfg.dim)
-        # [q | k | v] or, gated, [q | k | v | g], each dim wide
-        self.qkv = nn.Linear(cfg.dim, (4 if cfg.gate else 3) * cfg.dim)
+        # [q | k | v] or, gated, [q | k | v | g], each W wide
+        self.qkv = nn.Linear(cfg.dim, (4 if cfg.gate else 3) * self.width)
         self.attn = build_attention(
-            attn, num_heads=cfg.num_heads, head_dim=cfg.dim // cfg.num_heads, max_len=max_len, **attn_options
+            attn, num_heads=cfg.num_heads, head_dim=self.width // cfg.num_heads, max_len=max_len, **attn_options
         )
-        self.proj = nn.Linear(cfg.dim, cfg.dim)
+        self.proj = nn.Linear(self.width, cfg.dim)
         self.drop = Dropout(cfg.dropout)
         self.norm2 = nn.LayerNorm(cfg.dim)
         self.ffn = nn.Sequential(
@@ -49,14 +54,15 @@ class Block(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        b, n, c = x.shape
-        views = self.qkv(self.norm1(x))  # [B, N, 3C], or [B, N, 4C] gated
-        qkv = views[..., : 3 * c] if self.gate else views
+        b, n, _ = x.shape
+        w = self.width
+        views = self.qkv(self.norm1(x))  # [B, N, 3W], or [B, N, 4W] gated
+        qkv = views[..., : 3 * w] if self.gate else views
         q, k, v = split_heads(qkv, self.heads)  # 3 x [B, H, N, D], contiguous
-        mixed = self.attn(q, k, v, mask=mask).transpose(1, 2).reshape(b, n, c)  # [B, N, C]
+        mixed = self.attn(q, k, v, mask=mask).transpose(1, 2).reshape(b, n, w)  # [B, N, W]
         if self.gate:
             # position-wise: a padded position's g reaches no other position
-            mixed = mixed * F.silu(views[..., 3 * c:])
+            mixed = mixed * F.silu(views[..., 3 * w:])
         x = x + self.drop(self.proj(mixed))
         return x + self.ffn(self.norm2(x))
 
@@ -75,9 +81,14 @@ class Encoder(nn.Module):
         self.padded = padded
         seq_len = max_len + (1 if cfg.pooling == "cls" else 0)
         self.tokens = nn.Embedding(vocab_size, cfg.dim)
-        self.positions = nn.Embedding(seq_len, cfg.dim)
+        if cfg.positions == "sinusoidal":
+            self.positions = None
+            self.register_buffer("sinusoid", sinusoid(seq_len, cfg.dim), persistent=False)
+        else:
+            self.positions = nn.Embedding(seq_len, cfg.dim)
         nn.init.normal_(self.tokens.weight, std=0.02)
-        nn.init.normal_(self.positions.weight, std=0.02)
+        if self.positions is not None:
+            nn.init.normal_(self.positions.weight, std=0.02)
         self.cls = nn.Parameter(torch.zeros(1, 1, cfg.dim)) if cfg.pooling == "cls" else None
         self.drop = Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, attn, attn_options, seq_len) for _ in range(cfg.num_layers))
@@ -92,7 +103,8 @@ class Encoder(nn.Module):
             x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)  # [B, 1+L, C]
             lengths = None if lengths is None else lengths + 1
         b, n, _ = x.shape
-        x = self.drop(x + self.positions.weight[:n])
+        table = self.sinusoid if self.positions is None else self.positions.weight  # [max_len, C]
+        x = self.drop(x + table[:n])
         mask = None
         if self.padded and lengths is not None:
             mask = torch.arange(n, device=x.device)[None, :] < lengths[:, None]  # [B, N]
@@ -112,6 +124,17 @@ class Encoder(nn.Module):
             return x.mean(dim=1)
         weights = mask.to(x.dtype)[..., None]  # [B, N, 1]
         return (x * weights).sum(dim=1) / weights.sum(dim=1)
+
+
+def sinusoid(length: int, dim: int) -> torch.Tensor:
+    """The fixed position table [length, dim] of the LRA JAX code (common_layers.sinusoidal_init):
+    even columns sin(p / 10000^(2i/dim)), odd columns cos of the same angle."""
+    position = torch.arange(length, dtype=torch.float64)[:, None]  # [L, 1]
+    rate = torch.exp(torch.arange(0, dim, 2, dtype=torch.float64) * -(math.log(10000.0) / dim))  # [ceil(dim/2)]
+    table = torch.zeros(length, dim, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(position * rate)
+    table[:, 1::2] = torch.cos(position * rate[: dim // 2])
+    return table.float()
 
 
 class LRAModel(nn.Module):
@@ -137,9 +160,16 @@ class LRAModel(nn.Module):
     ) -> None:
         super().__init__()
         self.dual = dual
+        # the LRA JAX dual head (common_layers.classifier_head_dual, interaction None): [u, v], two hidden layers
+        self.concat = dual and cfg.head == "lra"
         self.encoder = Encoder(cfg, attn, attn_options, vocab_size, max_len, padded, per_position=token_level)
-        features = 4 * cfg.dim if dual else cfg.dim
-        self.head = nn.Sequential(nn.Linear(features, cfg.ffn_dim), nn.ReLU(), nn.Linear(cfg.ffn_dim, num_classes))
+        if self.concat:
+            half = max(1, cfg.ffn_dim // 2)
+            self.head = nn.Sequential(nn.Linear(2 * cfg.dim, cfg.ffn_dim), nn.ReLU(), nn.Linear(cfg.ffn_dim, half),
+                                      nn.ReLU(), nn.Linear(half, num_classes))
+        else:
+            features = 4 * cfg.dim if dual else cfg.dim
+            self.head = nn.Sequential(nn.Linear(features, cfg.ffn_dim), nn.ReLU(), nn.Linear(cfg.ffn_dim, num_classes))
 
     def forward(self, tokens: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
         if not self.dual:
@@ -148,4 +178,6 @@ class LRAModel(nn.Module):
         # encode both documents in one pass: [2B, L]
         both = self.encoder(tokens.flatten(0, 1), None if lengths is None else lengths.flatten())
         u, v = both.view(b, 2, -1).unbind(dim=1)  # [B, C] each
+        if self.concat:
+            return self.head(torch.cat([u, v], dim=-1))
         return self.head(torch.cat([u, v, u * v, u - v], dim=-1))

@@ -1,7 +1,7 @@
 """lra-run --init-from RUN_DIR: a run that starts from another run's best weights.
 
 Any backend to any backend, as long as the model has the same shape (model.num_layers, dim,
-num_heads, ffn_dim, pooling): a tensor the two models share under the same name and shape is
+num_heads, ffn_dim, qkv_dim, pooling, positions, head): a tensor the two models share under the same name and shape is
 loaded; the new model's other tensors keep their fresh initialisation (a backend's own parameters,
 such as Linformer's projections, or a tensor of another shape), and the source's tensors the new
 model lacks are left out. Full attention -> MiTA loads every tensor: neither has parameters of its
@@ -22,7 +22,7 @@ from ..errors import UserError
 from .finished import FinishedRun, read_finished
 
 # the ModelConfig fields that set the shapes of the shared tensors
-MODEL_SHAPE = ("num_layers", "dim", "num_heads", "ffn_dim", "pooling")
+MODEL_SHAPE = ("num_layers", "dim", "num_heads", "ffn_dim", "qkv_dim", "pooling", "positions", "head")
 
 
 @dataclass

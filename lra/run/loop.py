@@ -1,7 +1,7 @@
 """The training loop: steps until the last one, a non-finite loss or a signal, with logging,
 evaluation and checkpoints on their schedules.
 
-AdamW, linear warmup then linear decay, gradient clipping, evaluation every ``eval_every`` steps.
+AdamW, linear warmup then linear decay (or the LRA JAX schedules), gradient clipping, evaluation every ``eval_every`` steps.
 The batch of step ``s`` is a pure function of (seed, s), so a resumed run sees exactly the batches
 it would have seen. Under torchrun the same loop runs with DistributedDataParallel.
 
@@ -38,13 +38,24 @@ class Interrupted(Exception):
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate of optimizer step ``step`` (0-based)."""
-    # 1) linear warmup from lr/warmup to lr over the first warmup_steps steps
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    # 2) then linear decay, reaching 0 after the last step
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * max(0.0, 1.0 - progress)
+    """Learning rate of optimizer step ``step`` (0-based), by ``cfg.schedule``."""
+    if cfg.schedule == "linear":
+        # 1) linear warmup from lr/warmup to lr over the first warmup_steps steps
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        # 2) then linear decay, reaching 0 after the last step
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return cfg.lr * max(0.0, 1.0 - progress)
+    # the LRA JAX schedules (lra_benchmarks/utils/train_utils.py create_learning_rate_scheduler), a
+    # product of factors of the optimizer's step count s (0 at the first step, whose rate is 0):
+    # 1) constant * linear_warmup
+    rate = cfg.lr * min(1.0, step / cfg.warmup_steps)
+    if cfg.schedule == "rsqrt":
+        # 2) rsqrt_decay: 1 / sqrt(s), held at 1 / sqrt(warmup) during the warmup
+        return rate / math.sqrt(max(step, cfg.warmup_steps))
+    # 2) cosine_decay: half a cosine per cycle after the warmup, restarting at each cycle's end
+    progress = max(0.0, (step - cfg.warmup_steps) / (cfg.steps_per_cycle or cfg.steps))
+    return rate * max(0.0, 0.5 * (1.0 + math.cos(math.pi * (progress % 1.0))))
 
 
 @lru_cache(maxsize=4)

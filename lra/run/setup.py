@@ -102,10 +102,21 @@ def setup(cfg: RunConfig, quiet: bool) -> Run:
         spec.token_level,
     ).to(device)
     check_backend(model, splits["train"], device, bf16, cfg.attn)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+    optimizer = make_optimizer(model, cfg)
     net = torch.nn.parallel.DistributedDataParallel(model) if d.enabled else model
     init = None if source is None else match(source, model)
     return Run(cfg, device, d, bf16, spec, splits, max_len, model, net, optimizer, init=init)
+
+
+def make_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+    """AdamW at torch's defaults, or the LRA JAX train scripts' flax Adam (train.optimizer=lra:
+    lra_benchmarks/*/train.py create_optimizer, beta1 0.9, beta2 0.98, eps 1e-9). flax's Adam takes
+    lr * weight_decay * w from every weight after the Adam step, computed from the weights before it:
+    torch's AdamW multiplies them by (1 - lr * weight_decay) first, the same update."""
+    tc = cfg.train
+    if tc.optimizer == "lra":
+        return torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(0.9, 0.98), eps=1e-9, weight_decay=tc.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
 
 
 class BrokenBackend(Exception):

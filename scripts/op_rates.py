@@ -87,6 +87,10 @@ COUNTS: Dict[str, Count] = {
     # w [R, k], idx, x [R, D]
     "scatter_outer": flops_and_elements(lambda a: 2.0 * a[0].numel() * a[2].shape[1], lambda a: a[0].numel() * a[2].shape[1]),
     "topk_select": elements_only(lambda a: a[0].numel()),
+    # q [B, H, C, D], k_t [B, H, D, N], v, bias, keys: the scores 2 C N D and the mix 2 C k D (the
+    # selection counts none); elements: the scores
+    "topk_attention": flops_and_elements(lambda a: 2.0 * a[0].numel() * (a[1].shape[-1] + a[4]),
+                                         lambda a: a[0].numel() // a[0].shape[-1] * a[1].shape[-1]),
     "pool_bins": elements_only(lambda a: a[0].numel()),
     "pool_bins_backward": elements_only(lambda a: a[0].shape[0] * a[4] * a[0].shape[2]),
     "pool_bins_backward_add": elements_only(lambda a: a[4].numel()),

@@ -148,7 +148,7 @@ def test_op_rates_writes_consistent_rates_at_tiny_sizes(tmp_path: Path, capsys: 
     ops = {(r["backend"], r["op"]): r for r in record["rows"]}
     for name in ("lra::grouped_forward", "lra::grouped_backward", "lra::landmark_forward", "lra::topk_select"):
         assert ("mita", name) in ops, sorted(ops)
-    assert ("moba", "lra::block_gate") in ops and ("topk", "lra::topk_select") in ops and ("topk", "lra::mix_rows") in ops
+    assert ("moba", "lra::block_gate") in ops and ("topk", "lra::topk_attention") in ops and ("topk", "lra::mix_rows") in ops
     for row in record["rows"]:
         assert row["calls"] >= 1 and row["seconds"] > 0 and row["elements"] > 0 and row["length"] == 256
         assert row["elements_per_s"] == pytest.approx(row["elements"] / row["seconds"])

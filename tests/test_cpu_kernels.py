@@ -145,8 +145,8 @@ def check_selection(x: torch.Tensor, k: int) -> None:
 
 
 @needs_kernels
-# from n = 512 (select.h's ROW_SAMPLE_MIN) a sampled threshold picks the candidates, from n = 4096
-# (FILTER_MIN) rows are filtered before the bisection
+# from n = 512 (select.h's ROW_SAMPLE_MIN) a sampled threshold picks the candidates; from n = 4096
+# (FILTER_MIN) a row the sample misleads is filtered before the bisection
 @pytest.mark.parametrize("n, k", [(1024, 128), (1024, 64), (100, 7), (65, 64), (9, 1), (300, 299),
                                   (512, 1), (2048, 256), (600, 150), (3000, 2999), (4095, 128),
                                   (4096, 128), (20000, 64), (5000, 1), (4100, 4099)])

@@ -16,6 +16,7 @@ from .registry import (
     load_attention_module,
     origin,
     register,
+    scaling_of,
 )
 
 # attentions.mita, attentions.full, ...: the backends' former root paths resolve to attentions.backends
@@ -37,4 +38,5 @@ __all__ = [
     "load_attention_module",
     "origin",
     "register",
+    "scaling_of",
 ]

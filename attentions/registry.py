@@ -136,6 +136,13 @@ def get_attention(name: str) -> Type[Attention]:
     return _REGISTRY[name]
 
 
+def scaling_of(name: str) -> str:
+    """The family of backend ``name``: its taxonomy's scaling strategy ("routing", "compression", "both",
+    "none"), or "unregistered" for a name the registry lacks (a record of a backend since removed)."""
+    list_attentions()
+    return _REGISTRY[name].taxonomy.scaling if name in _REGISTRY else "unregistered"
+
+
 def origin(name: str) -> str:
     """Where backend ``name`` comes from: "built-in", the user's file (relative to the working folder
     when inside it), or the module of an installed entry point."""

@@ -127,6 +127,35 @@ def test_model_sweep_searches_the_batch(tmp_path: Path) -> None:
     assert point["batch"] == best["batch"] and point["status"] == "ok"
 
 
+def test_a_record_of_many_backends_is_drawn_one_family_per_column() -> None:
+    """The committed every-backend record: one column per taxonomy family, each time panel with the slope
+    guides, full attention and exactly that family's backends; a record of few backends keeps two panels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from attentions import scaling_of
+    from lra.bench.report import FAMILY_TITLES, family_panels, plot, timed, two_panels
+
+    root = Path(__file__).resolve().parent.parent
+    record = json.loads((root / "results/throughput/attention-all-intel-xeon-2c/record.json").read_text())
+    backends = [b for b in record["settings"]["backends"] if timed(record, b)]
+    assert plot(record)[:8] == b"\x89PNG\r\n\x1a\n"
+    fig = family_panels(plt, record, backends)
+    top = fig.axes[: len(fig.axes) // 2]
+    assert [ax.get_title() for ax in top] == [FAMILY_TITLES[f] for f in ("routing", "compression", "both", "none")]
+    for ax, family in zip(top, ("routing", "compression", "both", "none")):
+        names = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert names[:3] == ["slope 1 (cost ~ N)", "slope 2 (cost ~ N^2)", "full"] or family == "none"
+        assert {n for n in names if not n.startswith("slope") and n != "full"} == {
+            b for b in backends if scaling_of(b) == family and b != "full"}
+    plt.close(fig)
+    few = two_panels(plt, record, ["full", "mita"])
+    assert len(few.axes) == 2
+    plt.close(few)
+
+
 @pytest.mark.parametrize("power", [1, 2], ids=["linear", "quadratic"])
 def test_slope_recovers_the_exponent(power: int) -> None:
     lengths = [1024, 4096, 16384, 65536]

@@ -80,6 +80,7 @@ def test_recall_cells_are_the_seeds_mean_and_std(mqar_runs: Path, tmp_path: Path
     assert csv_rows[("topk", 2)]["keys_per_query"] == "8" and csv_rows[("full", 8)]["keys_per_query"] == "32"
     assert "Runs used (8)" in md and "Left out" not in md
     assert (out / "recall_vs_pairs.png").read_bytes()[:8] == PNG
+    assert (out / "recall_by_family.png").read_bytes()[:8] == PNG
     assert r"\pm" in (out / "recall.tex").read_text()
     # MQAR records alone: no LRA accuracy or efficiency table, no LRA plot
     assert not any((out / f).exists() for f in ("accuracy.md", "efficiency.md", "accuracy_by_task.png"))
@@ -111,7 +112,7 @@ def test_lra_tables_are_the_same_with_mqar_runs_beside_them(mqar_runs: Path, tmp
     # without MQAR records nothing recall-related is written
     assert not list(alone.glob("recall*"))
     assert sorted(p.name for p in both.iterdir()) == sorted(
-        [p.name for p in alone.iterdir()] + ["recall.md", "recall.csv", "recall.tex", "recall_vs_pairs.png"])
+        [p.name for p in alone.iterdir()] + ["recall.md", "recall.csv", "recall.tex", "recall_vs_pairs.png", "recall_by_family.png"])
     for stem in ("accuracy", "efficiency"):
         for ext in ("md", "csv", "tex"):
             assert (both / f"{stem}.{ext}").read_bytes() == (alone / f"{stem}.{ext}").read_bytes(), f"{stem}.{ext}"
@@ -133,3 +134,23 @@ def test_every_backend_budget_gives_a_count() -> None:
     for name in list_attentions():
         text = build_attention(name, num_heads=2, head_dim=16, max_len=4096).budget()
         assert isinstance(keys_per_query(text, 4096), int), (name, text)
+
+
+def test_the_family_plot_groups_every_backend_by_its_taxonomy() -> None:
+    """recall_by_family.png's sections: each registered backend under its taxonomy's scaling strategy, the
+    families in the plot's order, a backend the registry lacks in a section of its own, never dropped."""
+    from attentions import get_attention, list_attentions
+    from lra.tables.plots import FAMILIES, by_family
+    from lra.tables.recall import Row
+
+    names = [*list_attentions(), "retired_backend"]
+    rows = [Row("cpu", "one-token", 256, 128, name, "N") for name in names]
+    grouped = by_family(rows)
+    assert [row.attn for _, members in grouped for row in members] == sorted(
+        names, key=lambda n: [f for f, _ in grouped].index(
+            get_attention(n).taxonomy.scaling if n != "retired_backend" else "unregistered"))
+    families = [f for f, _ in grouped]
+    assert families == [f for f, _ in FAMILIES if f in families] + ["unregistered"]
+    for family, members in grouped[:-1]:
+        assert {get_attention(r.attn).taxonomy.scaling for r in members} == {family}
+    assert dict(grouped)["both"][0].attn == "mita" and dict(grouped)["unregistered"][0].attn == "retired_backend"

@@ -7,8 +7,9 @@ records in results/runs, never a user's ./runs unless named) and prints our numb
 published ones (``lra/reference/published_lra.csv`` and ``published_efficiency.csv``, package data). Writes
 ``<out>/{accuracy,efficiency,taxonomy,throughput}.{md,csv,tex}``, ``published.{md,csv,tex}`` (each
 published row under the suite's backend of the same mechanism, with its protocol and notes:
-``published.py``), two PNG plots of the LRA records, and, when MQAR records are among them, ``recall.{md,csv,tex}`` and ``recall_vs_pairs.png``
-(accuracy per backend and number of key-value pairs; ``recall.py``), each file atomically, and
+``published.py``), two PNG plots of the LRA records, and, when MQAR records are among them, ``recall.{md,csv,tex}``, ``recall_vs_pairs.png``
+(accuracy per backend and number of key-value pairs; ``recall.py``) and ``recall_by_family.png`` (every backend's
+recall, grouped by the taxonomy's scaling strategy), each file atomically, and
 prints the Markdown tables. A diverged run shows as "diverged", never as a number. The accuracy,
 efficiency and recall tables name every record they used and every one they left out (unreadable,
 unfinished, an older run of the same seed, a smoke run), each also one line on stderr.
@@ -150,7 +151,7 @@ def parser() -> Parser:
     p = Parser(prog="lra-table", description="Build comparison tables and plots from result records, beside the published "
                "numbers: accuracy, efficiency, taxonomy and throughput tables, and, when MQAR runs are among the records, "
                "recall.{md,csv,tex} (test accuracy per backend and number of key-value pairs, with each backend's keys "
-               "per query) and recall_vs_pairs.png.")
+               "per query), recall_vs_pairs.png and recall_by_family.png.")
     p.add_argument("--runs", action="append", metavar="FOLDER",
                    help="folder of run folders holding record.json (default results/runs, the committed reference "
                    "records; lra-run writes to ./runs); may repeat to put several folders in one table")
@@ -225,9 +226,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             written += plot_all(lra, out, backend_order(r["attn"] for r in lra), published_acc)
         if not args.no_plots and recall:
-            from .plots import recall_vs_pairs
+            from .plots import recall_by_family, recall_vs_pairs
 
             written.append(recall_vs_pairs(recall, out / "recall_vs_pairs.png"))
+            written.append(recall_by_family(recall, out / "recall_by_family.png"))
     except OSError as err:
         raise UserError(f"cannot write to {out}: {err.strerror or err}; choose another folder with --out")
     # printed once every file is written: a reader that stops early (| head) cuts no file short

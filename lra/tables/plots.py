@@ -1,5 +1,5 @@
 """Plots of result records (matplotlib, Agg backend, PNG): accuracy by task, accuracy against training
-time, and MQAR's recall against the number of key-value pairs.
+time, MQAR's recall against the number of key-value pairs, and every backend's recall grouped by family.
 
 Only completed runs are drawn; a diverged (backend, task) has no bar and no point. The two LRA plots
 carry the majority-class accuracy of each task, the bar plot the published full-attention numbers
@@ -12,7 +12,7 @@ import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import matplotlib
 
@@ -289,6 +289,79 @@ def recall_vs_pairs(cells: Cells, path: Path) -> Path:
     band = "line: mean over seeds; band: lowest to highest seed" if several else "one seed per point"
     fig.suptitle(f"MQAR recall against the number of key-value pairs\n({band})", fontsize=10)
     fig.legend(list(handles.values()), list(handles), fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 0.9),
+               frameon=False)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+# the taxonomy's scaling strategies (attentions.base.Taxonomy.scaling) in the order the families are drawn
+FAMILIES = (("routing", "routing"), ("compression", "compression"), ("both", "both"), ("none", "neither"))
+
+
+def by_family(rows: List[Any], name: Callable[[Any], str] = lambda row: row.attn) -> List[Tuple[str, List[Any]]]:
+    """The rows grouped by their backend's family (``attentions.scaling_of``), families in ``FAMILIES``
+    order (then any other), rows in their given order within a family; a family with no row is left out."""
+    from attentions import scaling_of
+
+    groups: Dict[str, List[Any]] = defaultdict(list)
+    for row in rows:
+        groups[scaling_of(name(row))].append(row)
+    order = [f for f, _ in FAMILIES] + sorted(set(groups) - {f for f, _ in FAMILIES})
+    return [(f, groups[f]) for f in order if groups.get(f)]
+
+
+def recall_by_family(cells: Cells, path: Path) -> Path:
+    """Every backend's MQAR recall in one figure, grouped by family (the taxonomy's scaling strategy:
+    routing, compression, both, neither): one bar per number of key-value pairs, its height the mean over
+    seeds, its whisker from the lowest to the highest seed where several. One panel per protocol,
+    formulation, vocabulary and N."""
+    groups: Dict[Tuple[str, str, int, int], Cells] = defaultdict(dict)
+    for row, per_pairs in cells.items():
+        groups[(row.preset, row.form, row.vocab, row.n)][row] = per_pairs
+    pairs_all = sorted({p for per_pairs in cells.values() for p in per_pairs})
+    colours = {p: f"C{i % 10}" for i, p in enumerate(pairs_all)}
+    labels = dict(FAMILIES)
+    widest = max(len(rows) for rows in groups.values())
+    fig, axes = plt.subplots(len(groups), 1, figsize=(max(7.0, 0.45 * widest + 2.0), 3.6 * len(groups)), squeeze=False)
+    bar = 0.8 / max(len(pairs_all), 1)
+    several = False
+    for ax, ((preset, form, vocab, n), rows) in zip(axes[:, 0], groups.items()):
+        x, ticks, names = 0.0, [], []
+        for family, members in by_family(list(rows)):
+            start = x
+            for row in members:
+                multi = sum(r.attn == row.attn for r in rows) > 1
+                names.append(f"{row.attn} ({row.keys} keys)" if multi and row.keys is not None else row.attn)
+                ticks.append(x)
+                for i, p in enumerate(pairs_all):
+                    values = [100.0 * r["test_acc"] for r in rows[row].get(p, [])
+                              if r["status"] == "completed" and r["test_acc"] is not None]
+                    if not values:
+                        continue
+                    at = x + (i - (len(pairs_all) - 1) / 2) * bar
+                    mean = statistics.fmean(values)
+                    ax.bar(at, mean, width=bar, color=colours[p], label=f"{p} pairs")
+                    if len(values) > 1:
+                        several = True
+                        ax.errorbar(at, mean, yerr=[[mean - min(values)], [max(values) - mean]], fmt="none",
+                                    ecolor="black", elinewidth=0.7, capsize=1.5)
+                x += 1.0
+            ax.text((start + x - 1.0) / 2, 104, labels.get(family, family), ha="center", va="bottom", fontsize=8)
+            ax.axvline(x - 0.5, color="grey", linewidth=0.6)
+            x += 0.3
+        ax.set_xticks(ticks)
+        ax.set_xticklabels(names, rotation=45, ha="right", fontsize=8)
+        ax.set_xlim(-0.6, x - 0.5)
+        ax.set_ylim(0, 112)
+        ax.set_yticks(range(0, 101, 20))
+        ax.set_ylabel("test accuracy (%)")
+        ax.set_title(f"N = {n}, vocab {vocab}, {form} (preset {preset})", fontsize=9, pad=16)
+        ax.grid(axis="y", alpha=0.3)
+    handles, names_ = axes[0][0].get_legend_handles_labels()
+    legend = dict(zip(names_, handles))
+    whisker = "bar: mean over seeds; whisker: lowest to highest seed" if several else "one seed per bar"
+    fig.suptitle(f"MQAR recall of every backend, by family ({whisker})", fontsize=10)
+    fig.legend(list(legend.values()), list(legend), fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 0.9),
                frameon=False)
     fig.tight_layout()
     return save(fig, path)

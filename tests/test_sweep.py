@@ -148,6 +148,24 @@ def test_a_sweep_run_again_skips_its_finished_runs(debug_sweep: Path, cli: Calla
     assert len(list(debug_sweep.glob("*_seed*"))) == 4
 
 
+def test_runs_recorded_before_a_config_field_existed_count_as_finished(debug_sweep: Path, cli: Callable,
+                                                                        listops_data: Path, tmp_path: Path) -> None:
+    """A sweep folder written by a version whose configs lacked fields added since (inside the model and
+    train sections): continuing it runs nothing again, each missing field read as its default."""
+    old = tmp_path / "old"
+    shutil.copytree(debug_sweep, old)
+    for path in old.glob("*_seed*/config.json"):
+        config = json.loads(path.read_text())
+        for section, key in (("model", "qkv_dim"), ("model", "head"), ("train", "schedule"), ("train", "optimizer")):
+            del config[section][key]
+        path.write_text(json.dumps(config))
+    stamps = {p: p.stat().st_mtime_ns for p in old.glob("*/record.json")}
+    ran = cli("lra-sweep", "run", "--executor", "debug", "--out", old)
+    assert ran.code == 0 and "0 to run (4 finished left as they are)" in ran.err
+    assert {p: p.stat().st_mtime_ns for p in old.glob("*/record.json")} == stamps
+    assert len(list(old.glob("*_seed*"))) == 4
+
+
 def test_sweep_table_tabulates_its_runs(debug_sweep: Path, cli: Callable, tmp_path: Path) -> None:
     ran = cli("lra-sweep", "table", debug_sweep, "--out", tmp_path / "tables")
     assert ran.code == 0, ran.err

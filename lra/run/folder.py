@@ -63,9 +63,18 @@ def read_config(path: Path) -> Dict[str, Any]:
 
 def same_run(saved: Dict[str, Any], cfg: RunConfig) -> bool:
     """Whether a saved config is this run's (``out`` aside: a folder may be moved, or named as DIR/). A key
-    the saved config lacks (written before the key existed) counts as its default."""
-    saved = {**RunConfig().to_dict(), **saved}
-    return identity(saved) == identity(cfg.to_dict())
+    the saved config lacks, at the top or inside a section (written before the key existed, e.g. a
+    model field added since), counts as its default."""
+    return identity(with_defaults(RunConfig().to_dict(), saved)) == identity(cfg.to_dict())
+
+
+def with_defaults(defaults: Dict[str, Any], saved: Dict[str, Any]) -> Dict[str, Any]:
+    """``saved`` with every key it lacks taken from ``defaults``, section by section."""
+    merged = dict(defaults)
+    for key, value in saved.items():
+        default = defaults.get(key)
+        merged[key] = with_defaults(default, value) if isinstance(value, dict) and isinstance(default, dict) else value
+    return merged
 
 
 def identity(config: Dict[str, Any]) -> Dict[str, Any]:

@@ -113,6 +113,8 @@ BAD = {
     "syntax-error": ("syntax.py", "def broken(:\n", [], "SyntaxError"),
     "registers-nothing": ("nothing.py", "x = 1\n", [], "registers no new backend"),
     "unknown-name": (None, None, ["--name", "nosuch"], "unknown --name 'nosuch'; known: full"),
+    "timing-reference": (None, None, ["--name", "none"], "'none' is a timing reference (the model without attention), "
+                         "not a backend to check; known: full"),
     "no-arguments": (None, None, [], "give the Python file"),
     "unknown-option": (None, None, ["--name", "mita", "--set", "nope=1"], "unknown option 'nope' for attention 'mita'"),
     "not-an-option": (None, None, ["--name", "mita", "--set", "train.lr=1"], "must be a backend option KEY=VALUE"),

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from attentions import AttentionError, build_config, list_attentions, load_attention_module, origin
+from attentions import AttentionError, build_config, is_timing_reference, list_attentions, load_attention_module, origin
 from attentions.check import FAIL, Report, Sizes, check_backend
 
 from . import Parser, console
@@ -93,6 +93,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise UserError(f"{args.file} registers no new backend; decorate a subclass of attentions.Attention with @register(name)")
     known = list_attentions()
     for name in args.names:
+        if is_timing_reference(name):
+            raise UserError(f"--name {name!r} is a timing reference (the model without attention), not a backend to "
+                            f"check; known: {', '.join(known)}")
         if name not in known:
             raise UserError(f"unknown --name {name!r}; known: {', '.join(known)}")
     sets = option_sets(args.sets)

@@ -2,7 +2,8 @@
 changes a record fails here, not for a reader. Checked: every sample lra-run line (against
 results/runs/<run>/record.json, printed as lra-run prints it), the README's ListOps table (accuracy per
 seed, mean ± std and train time over results/runs), its seed list, the `cpu` preset's training time,
-and the README's MQAR table (against results/tables/recall.md, built from results/mqar)."""
+the README's MQAR figure and figures and docs/results.md's MQAR tables (against
+results/tables/recall.md, built from results/mqar)."""
 from __future__ import annotations
 
 import json
@@ -65,14 +66,38 @@ def test_the_quoted_seeds_and_cpu_preset_time_are_the_committed_records() -> Non
     assert span in readme and span in running, f"README.md and docs/running.md should say: {span}"
 
 
-def test_the_readme_mqar_table_is_the_committed_recall_table() -> None:
-    table = (ROOT / "results" / "tables" / "recall.md").read_text()
+def recall_means() -> Dict[str, List[str]]:
+    """results/tables/recall.md's cells per backend: mean ± std (or the one seed's value) at 8 / 16 / 32 pairs."""
     committed = {}
-    for line in table.splitlines():
+    for line in (ROOT / "results" / "tables" / "recall.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == 11 and cells[0] in BACKENDS:
+        if len(cells) == 11 and cells[1].startswith("preset"):
             committed[cells[0]] = cells[8:]
+    return committed
+
+
+def test_the_readme_mqar_figure_and_figures_are_the_committed_recall_table() -> None:
+    """The README's MQAR paragraph shows results/tables/recall_by_family.png and quotes each backend's
+    means as "name a / b / c%" (8 / 16 / 32 pairs), each the committed table's mean."""
+    committed = recall_means()
     readme = (ROOT / "README.md").read_text()
-    for pairs, column in (("8", 0), ("16", 1), ("32", 2)):
-        row = f"| {pairs} | " + " | ".join(committed[b][column] for b in BACKENDS) + " |"
-        assert row in readme, f"README.md's MQAR row for {pairs} pairs should read: {row}"
+    start = readme.index("**MQAR")
+    paragraph = readme[start:readme.index("\n**", start + 1)]
+    assert "(results/tables/recall_by_family.png)" in paragraph
+    assert (ROOT / "results" / "tables" / "recall_by_family.png").read_bytes()[:4] == b"\x89PNG"
+    quoted = re.findall(r"\b([a-z_]+) ([\d.]+) / ([\d.]+) / ([\d.]+)%", paragraph)
+    assert len(quoted) >= 3, paragraph
+    for backend, *means in quoted:
+        assert means == [cell.split(" ")[0] for cell in committed[backend]], f"README.md's MQAR figures for {backend}"
+
+
+def test_the_mqar_tables_of_docs_results_are_the_committed_recall_table() -> None:
+    """Each row of docs/results.md's MQAR tables ("| backend | keys | 8 | 16 | 32 |") is recall.md's."""
+    committed = recall_means()
+    text = (ROOT / "docs" / "results.md").read_text()
+    section = text[text.index("## MQAR"):text.index("## Pathfinder")]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines() if line.startswith("| ")]
+    checked = [r for r in rows if r[0] in committed and len(r) == 5]
+    assert len(checked) == len(committed), "docs/results.md should give every backend's MQAR row"
+    for cells in checked:
+        assert cells[2:] == committed[cells[0]], f"docs/results.md's MQAR row for {cells[0]}"

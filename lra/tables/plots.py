@@ -243,13 +243,28 @@ def plot_all(records: List[Dict[str, Any]], out: Path, order: List[str],
             accuracy_vs_time(series, out / "accuracy_vs_time.png")]
 
 
+def panels(cells: Cells) -> Dict[Tuple[str, str, int, int], Cells]:
+    """The recall cells by panel: one per protocol, formulation, vocabulary and N."""
+    groups: Dict[Tuple[str, str, int, int], Cells] = defaultdict(dict)
+    for row, per_pairs in cells.items():
+        groups[(row.preset, row.form, row.vocab, row.n)][row] = per_pairs
+    return groups
+
+
+def finish(fig: Any, title: str, handles: Dict[str, Any], path: Path) -> Path:
+    """The figure's title and its legend outside the axes, saved to ``path``."""
+    fig.suptitle(title, fontsize=10)
+    fig.legend(list(handles.values()), list(handles), fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 0.9),
+               frameon=False)
+    fig.tight_layout()
+    return save(fig, path)
+
+
 def recall_vs_pairs(cells: Cells, path: Path) -> Path:
     """Zoology's plot: test accuracy against the number of key-value pairs, one line per backend (and
     budget) through its mean over seeds, a band from the lowest to the highest seed where several;
     one panel per protocol, formulation, vocabulary and N. A backend keeps its colour in every panel."""
-    groups: Dict[Tuple[str, str, int, int], Cells] = defaultdict(dict)
-    for row, per_pairs in cells.items():
-        groups[(row.preset, row.form, row.vocab, row.n)][row] = per_pairs
+    groups = panels(cells)
     colours = {attn: f"C{i % 10}" for i, attn in enumerate(dict.fromkeys(row.attn for row in cells))}
     fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4.0), squeeze=False, sharey=True)
     handles: Dict[str, Any] = {}
@@ -287,11 +302,7 @@ def recall_vs_pairs(cells: Cells, path: Path) -> Path:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("test accuracy over the queries (%)")
     band = "line: mean over seeds; band: lowest to highest seed" if several else "one seed per point"
-    fig.suptitle(f"MQAR recall against the number of key-value pairs\n({band})", fontsize=10)
-    fig.legend(list(handles.values()), list(handles), fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 0.9),
-               frameon=False)
-    fig.tight_layout()
-    return save(fig, path)
+    return finish(fig, f"MQAR recall against the number of key-value pairs\n({band})", handles, path)
 
 
 # the taxonomy's scaling strategies (attentions.base.Taxonomy.scaling) in the order the families are drawn
@@ -315,9 +326,7 @@ def recall_by_family(cells: Cells, path: Path) -> Path:
     routing, compression, both, neither): one bar per number of key-value pairs, its height the mean over
     seeds, its whisker from the lowest to the highest seed where several. One panel per protocol,
     formulation, vocabulary and N."""
-    groups: Dict[Tuple[str, str, int, int], Cells] = defaultdict(dict)
-    for row, per_pairs in cells.items():
-        groups[(row.preset, row.form, row.vocab, row.n)][row] = per_pairs
+    groups = panels(cells)
     pairs_all = sorted({p for per_pairs in cells.values() for p in per_pairs})
     colours = {p: f"C{i % 10}" for i, p in enumerate(pairs_all)}
     labels = dict(FAMILIES)
@@ -360,8 +369,4 @@ def recall_by_family(cells: Cells, path: Path) -> Path:
     handles, names_ = axes[0][0].get_legend_handles_labels()
     legend = dict(zip(names_, handles))
     whisker = "bar: mean over seeds; whisker: lowest to highest seed" if several else "one seed per bar"
-    fig.suptitle(f"MQAR recall of every backend, by family ({whisker})", fontsize=10)
-    fig.legend(list(legend.values()), list(legend), fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 0.9),
-               frameon=False)
-    fig.tight_layout()
-    return save(fig, path)
+    return finish(fig, f"MQAR recall of every backend, by family ({whisker})", legend, path)

@@ -57,3 +57,12 @@ def test_the_narrow_form_passes_the_kernel_tests_on_a_wide_machine(tmp_path: Pat
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS],
                          env=env, capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+
+
+def test_x86_builds_ask_for_the_full_width_in_plain_loops_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the compilers' default preference on x86 is 8-float vectors for the loops they vectorise themselves
+    monkeypatch.delenv("LRA_KERNEL_WIDTH", raising=False)
+    x86 = native.platform.machine().lower() in ("x86_64", "amd64")
+    assert ("-mprefer-vector-width=512" in native.width_flags()) == x86
+    monkeypatch.setenv("LRA_KERNEL_WIDTH", "8")
+    assert native.width_flags() == ["-DLRA_NARROW"]

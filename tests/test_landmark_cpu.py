@@ -2,7 +2,7 @@
 PyTorch path they replace: landmarks, scores, shared values and the gradients, padding, landmark
 counts that do not fill a pair, lengths that do not fill a key block, a softmax max that moves from
 block to block, a landmark whose keys are all masked, the routing's ties and missing landmarks, and
-the same bits for any thread count."""
+the grouping of the routed queries by expert, and the same bits for any thread count."""
 from __future__ import annotations
 
 import math
@@ -13,7 +13,8 @@ import torch
 from attentions import build_attention
 from attentions.ops.landmark import cpu as landmark_cpu
 from attentions.ops.landmark import reference
-from attentions.ops.landmark.cpu import landmark_pass, pool_queries, route_best
+from attentions.ops.grouped.reference import expert_runs
+from attentions.ops.landmark.cpu import landmark_pass, pool_queries, route_best, route_order
 from attentions.masking import pool_real
 from conftest import lengths_mask, rel_err
 
@@ -99,6 +100,36 @@ def test_routing_matches_argmax_with_ties_and_missing_landmarks() -> None:
     assert (best[3] == -1).all()
     assert (best[:3] != 5).all()
     assert torch.equal(route_best(q, marks, None), reference.route_best(q, marks, None))
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_route_order_groups_the_queries_as_expert_runs_does(threads: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    g, n, m, d = 5, 203, 7, 16
+    q, marks = torch.randn(g, n, d, generator=gen), torch.randn(g, m, d, generator=gen)
+    marks[:, 4] = marks[:, 1]  # a tie: landmark 1 takes the queries, expert 4 of each head stays empty
+    real = torch.rand(g, m, generator=gen) > 0.3
+    real[:, 1] = True
+    real[2] = False  # a head with no real landmark: its queries go after every expert, in query order
+    best = reference.route_best(q, marks, real)  # [G, N]
+    heads = torch.arange(g)[:, None]
+    expected_order, expected_offsets = expert_runs(torch.where(best >= 0, best + heads * m, g * m).flatten(), g * m)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        order, offsets, inverse, ordered = route_order(q, marks, real)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(order, expected_order)
+    assert torch.equal(offsets, expected_offsets)
+    assert torch.equal(inverse[order], torch.arange(g * n))
+    assert torch.equal(ordered, q.reshape(g * n, d)[expected_order])
+    assert offsets[g * m] == g * n - n  # head 2's queries are the only ones with no expert
+    assert torch.equal(order[offsets[g * m]:], torch.arange(2 * n, 3 * n))
+    # every landmark real (no mask given): the same as with an all-True mask
+    all_real = route_order(q, marks, torch.ones(g, m, dtype=torch.bool))
+    assert all(torch.equal(x, y) for x, y in zip(route_order(q, marks, None), all_real))
 
 
 @needs_kernel

@@ -96,6 +96,9 @@ def cases() -> List[Tuple[str, Callable, tuple]]:
     out.append(("route_best", landmark.route_best_op, (randn(4, 10, 8), randn(4, 3, 8), None)))
     out.append(("route_best-masked", landmark.route_best_op,
                 (randn(4, 10, 8), randn(4, 3, 8), torch.tensor([[1, 0, 1]] * 3 + [[0, 0, 0]], dtype=torch.uint8))))
+    out.append(("route_order", landmark.route_order_op, (randn(4, 10, 8), randn(4, 3, 8), None)))
+    out.append(("route_order-masked", landmark.route_order_op,
+                (randn(4, 10, 8), randn(4, 3, 8), torch.tensor([[1, 0, 1]] * 3 + [[0, 0, 0]], dtype=torch.uint8))))
     out.append(("topk_select", selection.topk_rows, (randn(2, 3, 40), 7)))
     bias = torch.zeros(2, 1, 1, 30).masked_fill(torch.arange(30) >= 20, float("-inf"))
     for masked in (False, True):
@@ -127,8 +130,8 @@ def test_every_kernel_entry_is_an_operator_in_one_namespace() -> None:
     names = {c[0].split("-")[0] for c in CASES}
     assert names == {"grouped_forward", "grouped_backward", "merge_parts", "merge_parts_backward", "take_rows",
                      "pool_bins", "pool_bins_backward", "pool_bins_backward_add", "landmark_forward",
-                     "landmark_backward", "landmark_backward_add", "route_best", "topk_select", "topk_attention",
-                     "mix_rows", "dot_rows", "scatter_outer", "block_gate", "dropout"}
+                     "landmark_backward", "landmark_backward_add", "route_best", "route_order", "topk_select",
+                     "topk_attention", "mix_rows", "dot_rows", "scatter_outer", "block_gate", "dropout"}
     for name in names:
         assert hasattr(torch.ops.lra, name), name
 
@@ -145,7 +148,7 @@ def test_the_profiler_names_the_operators_of_a_training_step() -> None:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             attn(q, k, v).sum().backward()
         seen |= {e.key for e in prof.key_averages() if e.key.startswith("lra::")}
-    assert {"lra::pool_bins", "lra::landmark_forward", "lra::route_best", "lra::topk_select", "lra::take_rows",
+    assert {"lra::pool_bins", "lra::landmark_forward", "lra::route_order", "lra::topk_select", "lra::take_rows",
             "lra::grouped_forward", "lra::grouped_backward", "lra::landmark_backward_add",
             "lra::pool_bins_backward_add", "lra::block_gate", "lra::merge_parts", "lra::merge_parts_backward",
             "lra::topk_attention", "lra::mix_rows", "lra::dot_rows", "lra::scatter_outer"} <= seen, sorted(seen)

@@ -16,6 +16,7 @@
  *
  * route_best: each query's best landmark, argmax_j q . L_j + bias_j (bias 0 or -inf for a missing
  * landmark; the first of equal values, as torch.argmax), -1 when every landmark is missing.
+ * route_order: route_best and the grouping of the queries by it in one call (a counting sort).
  *
  * Threads take whole heads: no two write the same row, no atomics, the same bits for any thread count.
  */
@@ -156,6 +157,17 @@ static void backward_head(const Landmarks *a, int64_t g, float *buf) {
     }
 }
 
+/* The first j < m with r[j] the largest of r[0..m) (torch.argmax's choice among equal values), -1
+ * when every value is -inf: the max over whole vectors, then a scan for it (a running max kept
+ * element by element branched on each new maximum, a mispredicted jump each time). */
+static inline int64_t first_max(const float *r, int64_t m) {
+    const float top = max_of(r, m);
+    if (top == -INFINITY) return -1;
+    int64_t j = 0;
+    while (j < m - 1 && r[j] != top) j++;
+    return j;
+}
+
 /* Each query's best landmark for head g; buf: D m + m + 2 m floats. */
 static void route_head(const Landmarks *a, const float *q, const uint8_t *mark_ok, int64_t g, int64_t *best,
                        float *buf) {
@@ -167,14 +179,8 @@ static void route_head(const Landmarks *a, const float *q, const uint8_t *mark_o
     for (int64_t t = 0; t < N; t += 2) {
         const int64_t t1 = t + 1 < N ? t + 1 : t;
         dots2(Q + t * D, Q + t1 * D, mt, bias, m, D, r0, r1);
-        for (int c = 0; c < 2; c++) {
-            const float *r = c ? r1 : r0;
-            int64_t arg = -1;
-            float top = -INFINITY;
-            for (int64_t j = 0; j < m; j++)
-                if (r[j] > top) top = r[j], arg = j;
-            best[g * N + (c ? t1 : t)] = arg;
-        }
+        best[g * N + t] = first_max(r0, m);
+        best[g * N + t1] = first_max(r1, m);
     }
 }
 
@@ -270,5 +276,50 @@ int pool_bins(const Pool *a) {
     const int64_t threads = a->threads < 1 ? 1 : (a->threads > a->G ? a->G : a->threads);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < a->G; g++) pool_head(a, g);
+    return 0;
+}
+
+/* Step 4 with the grouping the grouped kernel takes (attentions/ops/grouped/reference.expert_runs):
+ * the best landmark j of each query of head g makes its expert g m + j; the queries sorted by expert,
+ * stably (query order within an expert), those of a head with no real landmark after every expert
+ * (also in query order); order [G N] lists query rows in that order, inverse [G N] gives each query's
+ * position, offsets [G m + 1] each expert's run, and sorted [G N, D] holds the queries in that order.
+ * A counting sort: the routes and each head's counts in one pass over the heads, the runs' starts,
+ * then each head's queries placed. best: [G N] scratch. Any thread count gives the same result. */
+int route_order(const Landmarks *a, const float *q, const uint8_t *mark_ok, int64_t *best, int64_t *order,
+                int64_t *offsets, int64_t *inverse, float *sorted) {
+    const int64_t G = a->G, m = a->m, N = a->N, D = a->D;
+    if (route_best(a, q, mark_ok, best) != 0) return 1;
+    /* counts [G][m + 1] (slot m: no expert), then each slot's first position */
+    int64_t *start = (int64_t *)calloc(G * (m + 1), sizeof(int64_t));
+    if (!start) return 1;
+    const int64_t threads = a->threads < 1 ? 1 : (a->threads > G ? G : a->threads);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t t = 0; t < N; t++) start[g * (m + 1) + (best[g * N + t] < 0 ? m : best[g * N + t])]++;
+    int64_t at = 0;
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t j = 0; j < m; j++) {
+            const int64_t count = start[g * (m + 1) + j];
+            offsets[g * m + j] = start[g * (m + 1) + j] = at;
+            at += count;
+        }
+    offsets[G * m] = at;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t count = start[g * (m + 1) + m];
+        start[g * (m + 1) + m] = at;
+        at += count;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < G; g++) {
+        int64_t *next = start + g * (m + 1);
+        for (int64_t t = 0; t < N; t++) {
+            const int64_t row = g * N + t, slot = best[row] < 0 ? m : best[row], to = next[slot]++;
+            order[to] = row;
+            inverse[row] = to;
+            copy_row(sorted + to * D, q + row * D, D);
+        }
+    }
+    free(start);
     return 0;
 }

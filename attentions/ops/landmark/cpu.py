@@ -9,7 +9,9 @@ backward. In PyTorch that is two batched matmuls and four [B, H, m, N] passes fo
 the mask, the softmax, its copy for the backward) and five more backward; at LRA's lengths they took
 about half of MiTA's step. The kernel makes one pass over the keys in L1-sized blocks and keeps only
 the scores and one log-sum-exp per landmark. ``route_best`` is step 4 for one expert per query:
-q . L_j and the argmax in one pass, without the [B, H, N, m] gate tensor.
+q . L_j and the argmax in one pass, without the [B, H, N, m] gate tensor; ``route_order`` adds the
+grouping of the queries by expert that the grouped kernel takes (a counting sort in the same call,
+instead of the expert numbers, a sort, a count and two permutations in PyTorch).
 
 Each gives its PyTorch form's results (reference.py) up to float rounding (tests/test_landmark_cpu.py);
 other dtypes and devices, and machines where the kernel cannot be built, keep the PyTorch forms
@@ -47,6 +49,7 @@ def library() -> Optional[ctypes.CDLL]:
         for fn in (lib.landmark_forward, lib.landmark_backward):
             fn.argtypes, fn.restype = [block], ctypes.c_int
         lib.route_best.argtypes, lib.route_best.restype = [block, _ptr_t, _ptr_t, _ptr_t], ctypes.c_int
+        lib.route_order.argtypes, lib.route_order.restype = [block] + [_ptr_t] * 7, ctypes.c_int
         lib.pool_bins.argtypes, lib.pool_bins.restype = [ctypes.POINTER(Pool)], ctypes.c_int
         lib._typed = True
     return lib
@@ -278,3 +281,39 @@ def route_best(q: torch.Tensor, marks: torch.Tensor, real_marks: Optional[torch.
     real_marks [G, m] bool or None (all real) -> [G, N] long."""
     mark_ok = None if real_marks is None else real_marks.contiguous().view(torch.uint8)
     return route_best_op(q.detach().contiguous(), marks.detach().contiguous(), mark_ok)
+
+
+@custom_op("lra::route_order", mutates_args=(), device_types="cpu")
+def route_order_op(q: torch.Tensor, marks: torch.Tensor, mark_ok: Optional[torch.Tensor]
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """route_best_op's routes as the grouping of the queries by expert: order [G N], offsets [G m + 1],
+    inverse [G N] (long) and the queries in that order [G N, D] (see ``route_order``)."""
+    g, n, d = q.shape
+    m = marks.shape[1]
+    mark_ok = None if mark_ok is None or bool(mark_ok.all()) else mark_ok
+    best, order, inverse = (torch.empty(g * n, dtype=torch.long) for _ in range(3))
+    offsets = torch.empty(g * m + 1, dtype=torch.long)
+    ordered = q.new_empty(g * n, d)
+    args = Landmarks(G=g, m=m, N=n, D=d, heads=1, threads=torch.get_num_threads(), marks=_ptr(marks))
+    _check(library().route_order(ctypes.byref(args), _ptr(q), _ptr(mark_ok), _ptr(best), _ptr(order), _ptr(offsets),
+                                 _ptr(inverse), _ptr(ordered)))
+    return order, offsets, inverse, ordered
+
+
+@register_fake("lra::route_order")
+def _(q, marks, mark_ok):
+    g, n, d = q.shape
+    rows = q.new_empty(g * n, dtype=torch.long)
+    return rows, q.new_empty(g * marks.shape[1] + 1, dtype=torch.long), torch.empty_like(rows), q.new_empty(g * n, d)
+
+
+def route_order(q: torch.Tensor, marks: torch.Tensor, real_marks: Optional[torch.Tensor]
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each query routed to its best real landmark (``route_best``) and the queries grouped by the
+    expert that makes, g m + j for landmark j of head g, as grouped.reference.expert_runs groups
+    them (stable; the queries of a head with no real landmark last): order [G N] (query rows in
+    expert order), offsets [G m + 1] (expert x owns order[offsets[x]:offsets[x + 1]]), inverse
+    [G N] (each query's position in order) and the queries in that order [G N, D]. q [G, N, D],
+    marks [G, m, D], real_marks [G, m] bool or None (all real)."""
+    mark_ok = None if real_marks is None else real_marks.contiguous().view(torch.uint8)
+    return route_order_op(q.detach().contiguous(), marks.detach().contiguous(), mark_ok)

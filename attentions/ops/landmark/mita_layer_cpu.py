@@ -19,8 +19,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from ..grouped.cpu import grouped_backward, grouped_forward, take_rows
-from ..grouped.reference import expert_runs
-from .cpu import kernel_bins, landmark_backward_add, landmark_forward, pool_bins, pool_bins_backward_add, route_best
+from .cpu import kernel_bins, landmark_backward_add, landmark_forward, pool_bins, pool_bins_backward_add, route_order
 
 
 class MiTACPU(torch.autograd.Function):
@@ -45,24 +44,19 @@ class MiTACPU(torch.autograd.Function):
         index, key_ok = select(scores.view(b, h, m, n), keys)  # [B, H, m, keys] each
         # (the kernels drop masks that are all True themselves: no host read here)
         expert_ok = None if mask is None else key_ok.reshape(g * m, keys).contiguous().view(torch.uint8)
-        # 4. each query to its best real landmark: expert numbers over (head, landmark), G m for none
+        # 4. each query to its best real landmark, as expert g m + j of head g (none: after every run)
         real_marks = real_marks.repeat_interleave(h, dim=0)  # [G, m]
-        best = route_best(q.view(g, n, d), marks, real_marks)  # [G, N]
-        heads = torch.arange(g, device=q.device)[:, None]  # [G, 1]
-        expert = torch.where(best >= 0, best + heads * m, g * m).flatten()  # [G N]
-        # 5. the grouped attention: expert e of head x holds key rows index[e] of k and v [G N, D]
-        rows = (index.view(g, m * keys) + heads * n).view(g * m, keys)
-        order, offsets = expert_runs(expert, g * m)
-        shared_ok = real_marks.contiguous().view(torch.uint8)
-        q_rows = q.view(g * n, d)
+        # 5. the grouped attention: expert e of head x holds key rows index[e] of k and v [G N, D];
         # the queries in expert order, so that the kernel reads q and writes out (and in the backward
         # reads d_out and writes dq) in consecutive rows: 8% less time at 64K than rows scattered
         # over the table; out and dq go back to query order by the inverse permutation (a gather:
         # half the time of index_copy_ with order, 12 vs 22 ms at G N = 262,144 rows, and on the
         # kernel's take_rows half again, 7 ms)
-        q_sorted = take_rows(q_rows, order)  # [G N, D]
+        order, offsets, inverse, q_sorted = route_order(q.view(g, n, d), marks, real_marks)  # [G N], [G m + 1], ...
+        heads = torch.arange(g, device=q.device)[:, None]  # [G, 1]
+        rows = (index.view(g, m * keys) + heads * n).view(g * m, keys)
+        shared_ok = real_marks.contiguous().view(torch.uint8)
         in_order = torch.arange(g * n, device=q.device)
-        inverse = torch.empty_like(order).scatter_(0, order, in_order)  # [G N]: query -> its row in q_sorted
         grouped = (q_sorted, k.view(g * n, d), v.view(g * n, d), scaled, shared_values, rows, expert_ok, shared_ok,
                    in_order, offsets)
         out_sorted, lse, probs = grouped_forward(*grouped, m, scale, m)

@@ -188,20 +188,14 @@ static void backward_two(const Grouped *a, const int64_t pair[2], int64_t n, con
     }
 }
 
-/* The expert's accumulated key and value gradients added into the tables they came from. */
-static void store_gradients(const Grouped *a, int64_t x, const int64_t *row_of, const float *dk, const float *dv) {
-    const int64_t S = a->S, M = a->M, D = a->D;
-    for (int64_t j = 0; j < M + S; j++) {
-        float *gk, *gv;
-        if (j < M) {
-            const int64_t r = (x / a->group) * M + j;
-            gk = a->dskeys + r * D;
-            gv = a->dsvalues + r * D;
-        } else {
-            const int64_t r = row_of[j - M];
-            gk = a->dkeys + r * D;
-            gv = a->dvalues + r * D;
-        }
+/* Rows [first, last) of an expert's accumulated key and value gradients added into the tables they
+ * came from: rows below M into group g's shared tables, the rest into the routed rows row_of. */
+static void store_gradients(const Grouped *a, int64_t g, const int64_t *row_of, const float *dk, const float *dv,
+                            int64_t first, int64_t last) {
+    const int64_t M = a->M, D = a->D;
+    for (int64_t j = first; j < last; j++) {
+        const int64_t r = j < M ? g * M + j : row_of[j - M];
+        float *gk = (j < M ? a->dskeys : a->dkeys) + r * D, *gv = (j < M ? a->dsvalues : a->dvalues) + r * D;
         for (int64_t d = 0; d < D; d++) {
             gk[d] += dk[j * D + d];
             gv[d] += dv[j * D + d];
@@ -221,7 +215,10 @@ static void *run_work(void *arg) {
     float *bias = dv + n * D, *zeros = bias + n, *p = zeros + n, *ds = p + CHUNK * n;
     float *qs = ds + CHUNK * n, *dout = qs + CHUNK * D;
     int64_t *row_of = (int64_t *)(dout + CHUNK * D);
-    int64_t group_loaded = -1;
+    /* the backward's shared-key gradients (rows below M of dk, dv) add up over all the experts of a
+     * group and go to the shared tables once per group: per expert, zeroing and adding back M rows
+     * cost as much as the expert's own S rows (at N = 1K, an expert has ~16 queries) */
+    int64_t group_loaded = -1, group_summed = -1;
     for (int64_t x = w->first; x < w->last; x++) {
         const int64_t begin = a->offsets[x], end = a->offsets[x + 1];
         if (begin == end) continue;
@@ -231,8 +228,14 @@ static void *run_work(void *arg) {
                 forward_chunk(a, t0, end - t0 < CHUNK ? end - t0 : CHUNK, n, kt, vr, bias, p, qs);
             continue;
         }
-        memset(dk, 0, sizeof(float) * n * D);
-        memset(dv, 0, sizeof(float) * n * D);
+        if (M > 0 && x / a->group != group_summed) {
+            if (group_summed >= 0) store_gradients(a, group_summed, row_of, dk, dv, 0, M);
+            memset(dk, 0, sizeof(float) * M * D);
+            memset(dv, 0, sizeof(float) * M * D);
+            group_summed = x / a->group;
+        }
+        memset(dk + M * D, 0, sizeof(float) * S * D);
+        memset(dv + M * D, 0, sizeof(float) * S * D);
         for (int64_t t0 = begin; t0 < end; t0 += CHUNK) {
             const int64_t rows = end - t0 < CHUNK ? end - t0 : CHUNK;
             for (int64_t c = 0; c < rows; c += 2) {
@@ -252,8 +255,9 @@ static void *run_work(void *arg) {
             add_outer(p, dout, rows, n, D, dv);
         }
         /* load_expert left the routed keys' rows in row_of */
-        store_gradients(a, x, row_of, dk, dv);
+        store_gradients(a, x / a->group, row_of, dk, dv, M, n);
     }
+    if (group_summed >= 0) store_gradients(a, group_summed, row_of, dk, dv, 0, M);
     free(buf);
     return NULL;
 }

@@ -226,6 +226,29 @@ def test_a_batch_split_for_the_cpu_cache_gives_the_same_result(monkeypatch: pyte
             assert rel_err(g, r) < 1e-12
 
 
+def test_the_cpu_batch_split_follows_the_l2_size_read_from_sysfs(tmp_path) -> None:
+    from attentions.ops import tuning
+
+    def cache(name: str, level: str, kind: str, size: str) -> None:
+        folder = tmp_path / name
+        folder.mkdir()
+        for field, value in (("level", level), ("type", kind), ("size", size)):
+            (folder / field).write_text(value + "\n")
+
+    assert tuning.l2_bytes(tmp_path) is None  # nothing to read: the caller falls back to 2^15 tokens
+    cache("index0", "1", "Data", "48K")
+    cache("index1", "1", "Instruction", "64K")
+    cache("index3", "3", "Unified", "491520K")
+    assert tuning.l2_bytes(tmp_path) is None
+    cache("index2", "2", "Unified", "2048K")
+    assert tuning.l2_bytes(tmp_path) == 2 << 20
+    assert tuning.l2_bytes(tmp_path) // 16 == 1 << 17  # the Intel Xeon's split
+    (tmp_path / "index2" / "size").write_text("512K\n")
+    assert tuning.l2_bytes(tmp_path) // 16 == 1 << 15  # the AMD EPYC's
+    (tmp_path / "index2" / "size").write_text("lots\n")
+    assert tuning.l2_bytes(tmp_path) is None
+
+
 SELECTION_CASES = {
     "B2-N61-H2-D16-m8-k8-masked": (2, 2, 61, 16, [61, 29], {"landmarks": 8, "topk": 8}),
     "B3-N37-H1-D8-m8-k16-masked-short": (3, 1, 37, 8, [37, 20, 5], {"landmarks": 8, "topk": 16}),

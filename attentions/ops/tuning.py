@@ -2,10 +2,12 @@
 
 Every value here sets speed or memory only: results do not depend on them (the tests shrink them
 to run the chunked and recomputing code paths on small inputs). They were measured on a 2-core AMD
-EPYC (32 MB L3) and an NVIDIA H200; another machine may prefer others.
+EPYC (512 KB L2 per core, 32 MB L3), a 2-core Intel Xeon (2 MB L2 per core) and an NVIDIA H200; the
+CPU batch split follows the L2 size read from the machine, another machine may prefer other values.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -20,10 +22,30 @@ ROUTE_ELEMENTS = 1 << 22
 # MoBA's block scores [B, H, chunk, N / block_size] computed at once on the CPU, in elements
 GATE_ELEMENTS = 1 << 22
 
+
+
+def l2_bytes(cpu: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> Optional[int]:
+    """The level-2 cache of one core in bytes (Linux sysfs: index*/level, type, size such as
+    "2048K"), None where it cannot be read."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    for index in sorted(cpu.glob("index*")):
+        try:
+            level, kind = (index / "level").read_text().strip(), (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        if level == "2" and kind in ("Unified", "Data") and size[:-1].isdigit() and size[-1:] in units:
+            return int(size[:-1]) * units[size[-1]]
+    return None
+
+
 # (batch x heads x tokens) that one CPU pass of a routing backend works on: past it the batch is
-# split (sequences are independent). MiTA fwd+bwd at B=32, H=2, N=4096 took 943 ms in one pass (8x
-# B=8: its temporaries left the cache), 600-660 ms split; at N=1024, 260 ms whole, 186 ms split in two
-CPU_BATCH_TOKENS = 1 << 15
+# split (sequences are independent), so that a pass's temporaries stay in the cache. On the AMD EPYC
+# (512 KB L2) 2^15: MiTA fwd+bwd at B=32, H=2, N=4096 took 943 ms in one pass, 600-660 ms split; at
+# N=1024, 260 ms whole, 186 ms split in two. On the Intel Xeon (2 MB L2) 2^17: one thread, B=8-32,
+# N=2K-4K, 5-11% less time than at 2^15 (MoBA's layer 5% at B=8, 4K), the same at 1K. L2 / 16 gives
+# both; 2^15 where the L2 size cannot be read.
+CPU_BATCH_TOKENS = (l2_bytes() or 1 << 19) // 16
 
 # grouped attention (ops/grouped): a chunk of the PyTorch form's tile loop holds CHUNK_SLOTS
 # slots; the softmax weights of a call (PyTorch form) or its softmax rows (C kernel) are kept for the

@@ -4,6 +4,8 @@ MiTA and MoBA (ops/grouped), the top-k selection (ops/topk_selection), Top-k att
 experts, a pair with no expert, ties and infinities; and what happens where they cannot be built."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -30,6 +32,16 @@ needs_kernels = pytest.mark.skipif(not grouped_cpu.takes(torch.zeros(0)),
 def test_grouped_kernel_matches_torch_path(case: tuple, saved: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if not saved:  # the backward recomputes the softmax rows from the saved log-sum-exps
         monkeypatch.setattr(tuning, "SAVE_ELEMENTS", 0)
+    check_grouped_against_torch_path(grouped_attention_cpu, case)
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", GROUPED_CASES.values(), ids=GROUPED_CASES.keys())
+def test_grouped_backward_writes_every_key_row_it_owns(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    # without rows an expert's key rows are its own, and the backward writes their gradients into
+    # unset tables (an expert without pairs gets zeros): unset memory here is NaN, so a row it missed shows
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, *args, **kwargs: empty_like(t, *args, **kwargs).fill_(math.nan))
     check_grouped_against_torch_path(grouped_attention_cpu, case)
 
 

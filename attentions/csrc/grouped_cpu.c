@@ -189,18 +189,31 @@ static void backward_two(const Grouped *a, const int64_t pair[2], int64_t n, con
 }
 
 /* Rows [first, last) of an expert's accumulated key and value gradients added into the tables they
- * came from: rows below M into group g's shared tables, the rest into the routed rows row_of. */
+ * came from: rows below M into group g's shared tables, the rest into the routed rows row_of. Without
+ * rows (expert x's keys are its own rows x S .. x S + S - 1, no other expert's) the routed rows are
+ * written, not added: the caller leaves those tables unset (see zero_own_rows). */
 static void store_gradients(const Grouped *a, int64_t g, const int64_t *row_of, const float *dk, const float *dv,
                             int64_t first, int64_t last) {
     const int64_t M = a->M, D = a->D;
     for (int64_t j = first; j < last; j++) {
         const int64_t r = j < M ? g * M + j : row_of[j - M];
         float *gk = (j < M ? a->dskeys : a->dkeys) + r * D, *gv = (j < M ? a->dsvalues : a->dvalues) + r * D;
+        if (j >= M && !a->rows) {
+            copy_row(gk, dk + j * D, D);
+            copy_row(gv, dv + j * D, D);
+            continue;
+        }
         for (int64_t d = 0; d < D; d++) {
             gk[d] += dk[j * D + d];
             gv[d] += dv[j * D + d];
         }
     }
+}
+
+/* Without rows: the key and value gradients of expert x, which has no pairs, are 0. */
+static void zero_own_rows(const Grouped *a, int64_t x) {
+    memset(a->dkeys + x * a->S * a->D, 0, sizeof(float) * a->S * a->D);
+    memset(a->dvalues + x * a->S * a->D, 0, sizeof(float) * a->S * a->D);
 }
 
 static void *run_work(void *arg) {
@@ -221,7 +234,10 @@ static void *run_work(void *arg) {
     int64_t group_loaded = -1, group_summed = -1;
     for (int64_t x = w->first; x < w->last; x++) {
         const int64_t begin = a->offsets[x], end = a->offsets[x + 1];
-        if (begin == end) continue;
+        if (begin == end) {
+            if (w->backward && !a->rows) zero_own_rows(a, x);
+            continue;
+        }
         load_expert(a, x, &group_loaded, row_of, kt, w->backward ? vt : NULL, w->backward ? kr : NULL, vr, bias);
         if (!w->backward) {
             for (int64_t t0 = begin; t0 < end; t0 += CHUNK)

@@ -169,7 +169,10 @@ def grouped_backward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     d_out = d_out.to(q.dtype).contiguous()
     d_lse = None if d_lse is None else d_lse.to(q.dtype).contiguous()  # [P]
     dq = torch.empty_like(q)
-    d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)
+    # without rows, keys [X, S, D] holds each expert's own keys: the kernel writes every expert's
+    # gradient (zeros for one without pairs); with rows, experts share key rows and add into them
+    fresh = torch.empty_like if rows is None else torch.zeros_like
+    d_keys, d_values = fresh(keys), fresh(values)
     d_shared_keys = q.new_empty(0) if shared_keys is None else torch.zeros_like(shared_keys)
     d_shared_values = q.new_empty(0) if shared_values is None else torch.zeros_like(shared_values)
     # pairs with no expert are outside every expert's run: their dq is set here

@@ -23,7 +23,6 @@ ROUTE_ELEMENTS = 1 << 22
 GATE_ELEMENTS = 1 << 22
 
 
-
 def l2_bytes(cpu: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> Optional[int]:
     """The level-2 cache of one core in bytes (Linux sysfs: index*/level, type, size such as
     "2048K"), None where it cannot be read."""

@@ -157,30 +157,52 @@ static void backward_head(const Landmarks *a, int64_t g, float *buf) {
     }
 }
 
-/* The first j < m with r[j] the largest of r[0..m) (torch.argmax's choice among equal values), -1
- * when every value is -inf: the max over whole vectors, then a scan for it (a running max kept
- * element by element branched on each new maximum, a mispredicted jump each time). */
-static inline int64_t first_max(const float *r, int64_t m) {
-    const float top = max_of(r, m);
-    if (top == -INFINITY) return -1;
-    int64_t j = 0;
-    while (j < m - 1 && r[j] != top) j++;
-    return j;
-}
-
-/* Each query's best landmark for head g; buf: D m + m + 2 m floats. */
+/* Each query's best landmark for head g, VW queries at a time in the vector lanes: their rows
+ * transposed (qt [D][VW]; a short last run repeats its last row), each landmark's scores of all of
+ * them in one vector, and the best score and its landmark kept lane by lane. Only a strictly greater
+ * score replaces the best, so the first of equal scores stays (torch.argmax's choice) and a missing
+ * landmark (bias -inf) never enters: a head with none leaves -1. No per-query max and scan: those
+ * (a horizontal max, then a search for it) cost as much as the scores. Each score is bias_j + the
+ * sum over d in order, as one row of dots2 would make it. Eight landmarks at a time: eight
+ * independent FMA chains. buf: D VW + m floats. */
 static void route_head(const Landmarks *a, const float *q, const uint8_t *mark_ok, int64_t g, int64_t *best,
                        float *buf) {
     const int64_t m = a->m, N = a->N, D = a->D;
-    const float *Q = q + g * N * D;
-    float *mt = buf, *bias = mt + D * m, *r0 = bias + m, *r1 = r0 + m;
-    transpose_block(a->marks + g * m * D, m, D, mt);
+    const float *Q = q + g * N * D, *L = a->marks + g * m * D;
+    float *qt = buf, *bias = qt + D * VW;
     key_bias(mark_ok ? mark_ok + g * m : NULL, 0, m, bias);
-    for (int64_t t = 0; t < N; t += 2) {
-        const int64_t t1 = t + 1 < N ? t + 1 : t;
-        dots2(Q + t * D, Q + t1 * D, mt, bias, m, D, r0, r1);
-        best[g * N + t] = first_max(r0, m);
-        best[g * N + t1] = first_max(r1, m);
+    vfi lane = {0};
+    for (int l = 0; l < VW; l++) lane[l] = l;
+    for (int64_t t0 = 0; t0 < N; t0 += VW) {
+        const int64_t count = N - t0 < VW ? N - t0 : VW;
+        const float *rows[VW];
+        for (int64_t l = 0; l < VW; l++) rows[l] = Q + (t0 + (l < count ? l : count - 1)) * D;
+        /* in groups of 8 rows, each an 8 x 8 register tile per 8 dims */
+        for (int h = 0; h < VW; h += 8) transpose_rows(rows + h, 8, D, qt + h, VW);
+        vf top = splatv(-INFINITY);
+        vfi which = lane - lane - 1;
+        int64_t j = 0;
+        for (; j + 8 <= m; j += 8) {
+            vf acc[8];
+            for (int i = 0; i < 8; i++) acc[i] = splatv(bias[j + i]);
+            for (int64_t d = 0; d < D; d++) {
+                const vf x = loadv(qt + d * VW);
+                for (int i = 0; i < 8; i++) acc[i] += splatv(L[(j + i) * D + d]) * x;
+            }
+            for (int i = 0; i < 8; i++) {
+                const vfi more = acc[i] > top;
+                top = (vf)((more & (vfi)acc[i]) | (~more & (vfi)top));
+                which = (more & (lane - lane + (int32_t)(j + i))) | (~more & which);
+            }
+        }
+        for (; j < m; j++) {
+            vf acc = splatv(bias[j]);
+            for (int64_t d = 0; d < D; d++) acc += splatv(L[j * D + d]) * loadv(qt + d * VW);
+            const vfi more = acc > top;
+            top = (vf)((more & (vfi)acc) | (~more & (vfi)top));
+            which = (more & (lane - lane + (int32_t)j)) | (~more & which);
+        }
+        for (int64_t l = 0; l < count; l++) best[g * N + t0 + l] = which[l];
     }
 }
 
@@ -230,7 +252,7 @@ int landmark_backward(const Landmarks *a) {
 /* q [G, N, D]; a->marks unscaled; mark_ok [G, m] or NULL; best [G, N] */
 int route_best(const Landmarks *a, const float *q, const uint8_t *mark_ok, int64_t *best) {
     const Job job = {a, 2, q, mark_ok, best};
-    return over_heads(&job, a->D * a->m + 3 * a->m);
+    return over_heads(&job, a->D * VW + a->m);
 }
 
 /* Step 1, the landmarks: bin means of each head's queries. x [G, N, D]; bins [G / heads, m] of

@@ -45,8 +45,10 @@ def landmark_pass(
 def route_best(q: torch.Tensor, marks: torch.Tensor, real_marks: Optional[torch.Tensor]) -> torch.Tensor:
     """Each query's best real landmark: argmax_j q . marks_j over the landmarks with real_marks (the
     first of equal values), -1 where a head has none. q [G, N, D], marks [G, m, D], real_marks [G, m]
-    bool or None (all real) -> [G, N] long."""
-    gate = q @ marks.transpose(-1, -2)  # [G, N, m]
+    bool or None (all real) -> [G, N] long. Each score is one sum over d, in the same order for every
+    landmark, so equal landmarks score equally (a GEMM may round its columns differently and break
+    the tie either way)."""
+    gate = (q[:, :, None, :] * marks[:, None, :, :]).sum(-1)  # [G, N, m]
     if real_marks is not None:
         gate.masked_fill_(~real_marks[:, None, :], float("-inf"))
     best = gate.argmax(dim=-1)  # [G, N]

@@ -78,6 +78,8 @@ COUNTS: Dict[str, Count] = {
     "landmark_backward_add": flops_and_elements(lambda a: 8.0 * landmark_sizes(a), lambda a: a[1].numel()),
     # q [G, N, D] against marks [G, m, D]
     "route_best": flops_and_elements(lambda a: 2.0 * a[0].numel() * a[1].shape[1], lambda a: a[0].numel()),
+    # the same scores, then the queries sorted by expert (a counting sort and a copy: no FLOPs)
+    "route_order": flops_and_elements(lambda a: 2.0 * a[0].numel() * a[1].shape[1], lambda a: a[0].numel()),
     # q [B, H, N, D] against the block means [B, H, blocks, D]
     "block_gate": flops_and_elements(lambda a: 2.0 * a[0].numel() * a[1].shape[2], lambda a: a[0].numel()),
     # w [R, k], idx [R, k], table [G N, D]

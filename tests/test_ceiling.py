@@ -161,6 +161,8 @@ def test_op_rates_writes_consistent_rates_at_tiny_sizes(tmp_path: Path, capsys: 
     # by hand: MiTA's grouped forward, each of B H N = 2 x 256 queries over 64 routed + 64 shared keys, 4 D FLOPs a key
     assert ops[("mita", "lra::grouped_forward")]["flops"] == 4.0 * 2 * 256 * (64 + 64) * 16
     assert ops[("mita", "lra::grouped_backward")]["flops"] == 2 * ops[("mita", "lra::grouped_forward")]["flops"]
+    # routing: each of the 2 x 256 queries scored against the 64 landmarks, 2 D FLOPs a score
+    assert ops[("mita", "lra::route_order")]["flops"] == 2.0 * 2 * 256 * 64 * 16
     # selection counts no FLOPs: MiTA's picks 64 of N keys for each of H x 64 landmarks, reading H 64 N scores
     assert ops[("mita", "lra::topk_select")]["flops"] is None
     assert ops[("mita", "lra::topk_select")]["elements"] == 2 * 64 * 256

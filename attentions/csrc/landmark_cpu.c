@@ -171,8 +171,7 @@ static void route_head(const Landmarks *a, const float *q, const uint8_t *mark_o
     const float *Q = q + g * N * D, *L = a->marks + g * m * D;
     float *qt = buf, *bias = qt + D * VW;
     key_bias(mark_ok ? mark_ok + g * m : NULL, 0, m, bias);
-    vfi lane = {0};
-    for (int l = 0; l < VW; l++) lane[l] = l;
+    const vfi zero = {0};
     for (int64_t t0 = 0; t0 < N; t0 += VW) {
         const int64_t count = N - t0 < VW ? N - t0 : VW;
         const float *rows[VW];
@@ -180,7 +179,7 @@ static void route_head(const Landmarks *a, const float *q, const uint8_t *mark_o
         /* in groups of 8 rows, each an 8 x 8 register tile per 8 dims */
         for (int h = 0; h < VW; h += 8) transpose_rows(rows + h, 8, D, qt + h, VW);
         vf top = splatv(-INFINITY);
-        vfi which = lane - lane - 1;
+        vfi which = zero - 1;
         int64_t j = 0;
         for (; j + 8 <= m; j += 8) {
             vf acc[8];
@@ -192,7 +191,7 @@ static void route_head(const Landmarks *a, const float *q, const uint8_t *mark_o
             for (int i = 0; i < 8; i++) {
                 const vfi more = acc[i] > top;
                 top = (vf)((more & (vfi)acc[i]) | (~more & (vfi)top));
-                which = (more & (lane - lane + (int32_t)(j + i))) | (~more & which);
+                which = (more & (zero + (int32_t)(j + i))) | (~more & which);
             }
         }
         for (; j < m; j++) {
@@ -200,7 +199,7 @@ static void route_head(const Landmarks *a, const float *q, const uint8_t *mark_o
             for (int64_t d = 0; d < D; d++) acc += splatv(L[j * D + d]) * loadv(qt + d * VW);
             const vfi more = acc > top;
             top = (vf)((more & (vfi)acc) | (~more & (vfi)top));
-            which = (more & (lane - lane + (int32_t)j)) | (~more & which);
+            which = (more & (zero + (int32_t)j)) | (~more & which);
         }
         for (int64_t l = 0; l < count; l++) best[g * N + t0 + l] = which[l];
     }

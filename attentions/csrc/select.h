@@ -24,14 +24,22 @@
 #include <string.h>
 
 #include "vec.h"
-#if defined(__AVX512F__)
+/* the keep and count passes in AVX-512 where the library is built at 16 floats, in AVX2 where it is
+ * built at 8 on a machine with AVX2 (so the LRA_NARROW form runs the AVX2 passes on an AVX-512
+ * machine too) */
+#if VW == 16 && defined(__AVX512F__)
+#define LRA_SELECT_AVX512 1
+#elif defined(__AVX2__)
+#define LRA_SELECT_AVX2 1
+#endif
+#if defined(LRA_SELECT_AVX512) || defined(LRA_SELECT_AVX2)
 #include <immintrin.h>
 #endif
-/* count(t <= x < inf) over n values: 16 at a time as a mask's bits on AVX-512, else in 8 lanes so
+/* count(t <= x < inf) over n values: 16 at a time as a mask's bits with AVX-512, else in 8 lanes so
  * the loop vectorises */
 static int64_t count_at_least(const float *x, int64_t n, float t) {
     int64_t j = 0, total = 0;
-#if defined(__AVX512F__)
+#ifdef LRA_SELECT_AVX512
     const __m512 low = _mm512_set1_ps(t), inf = _mm512_set1_ps(INFINITY);
     for (; j + 16 <= n; j += 16) {
         const __m512 v = _mm512_loadu_ps(x + j);
@@ -79,11 +87,50 @@ __attribute__((always_inline)) static inline void finite_range(const float *x, i
 /* The finite values t <= x < inf of row x [n], lowest index first, into values and indices
  * [n + SPILL]; returns how many were kept. On AVX-512 each 16 values' kept lanes are compressed in a
  * register and all 16 lanes stored (the next store overwrites the extra ones; a compress straight to
- * memory is several times slower); elsewhere branch-free: every value is written and the write
- * position moves on only for a kept one. */
+ * memory is several times slower); on AVX2 each 8 values' kept lanes are moved to the front by a
+ * permutation looked up from their mask (LEFT_PACK) and all 8 stored the same way; elsewhere
+ * branch-free: every value is written and the write position moves on only for a kept one. */
+#ifdef LRA_SELECT_AVX2
+/* LEFT_PACK[mask]: the lanes set in mask, lowest first, as 4-bit lane numbers (lane of output i in
+ * bits 4 i .. 4 i + 3; unused outputs 0) */
+static const uint32_t LEFT_PACK[256] = {
+    0x00000000u, 0x00000000u, 0x00000001u, 0x00000010u, 0x00000002u, 0x00000020u, 0x00000021u, 0x00000210u,
+    0x00000003u, 0x00000030u, 0x00000031u, 0x00000310u, 0x00000032u, 0x00000320u, 0x00000321u, 0x00003210u,
+    0x00000004u, 0x00000040u, 0x00000041u, 0x00000410u, 0x00000042u, 0x00000420u, 0x00000421u, 0x00004210u,
+    0x00000043u, 0x00000430u, 0x00000431u, 0x00004310u, 0x00000432u, 0x00004320u, 0x00004321u, 0x00043210u,
+    0x00000005u, 0x00000050u, 0x00000051u, 0x00000510u, 0x00000052u, 0x00000520u, 0x00000521u, 0x00005210u,
+    0x00000053u, 0x00000530u, 0x00000531u, 0x00005310u, 0x00000532u, 0x00005320u, 0x00005321u, 0x00053210u,
+    0x00000054u, 0x00000540u, 0x00000541u, 0x00005410u, 0x00000542u, 0x00005420u, 0x00005421u, 0x00054210u,
+    0x00000543u, 0x00005430u, 0x00005431u, 0x00054310u, 0x00005432u, 0x00054320u, 0x00054321u, 0x00543210u,
+    0x00000006u, 0x00000060u, 0x00000061u, 0x00000610u, 0x00000062u, 0x00000620u, 0x00000621u, 0x00006210u,
+    0x00000063u, 0x00000630u, 0x00000631u, 0x00006310u, 0x00000632u, 0x00006320u, 0x00006321u, 0x00063210u,
+    0x00000064u, 0x00000640u, 0x00000641u, 0x00006410u, 0x00000642u, 0x00006420u, 0x00006421u, 0x00064210u,
+    0x00000643u, 0x00006430u, 0x00006431u, 0x00064310u, 0x00006432u, 0x00064320u, 0x00064321u, 0x00643210u,
+    0x00000065u, 0x00000650u, 0x00000651u, 0x00006510u, 0x00000652u, 0x00006520u, 0x00006521u, 0x00065210u,
+    0x00000653u, 0x00006530u, 0x00006531u, 0x00065310u, 0x00006532u, 0x00065320u, 0x00065321u, 0x00653210u,
+    0x00000654u, 0x00006540u, 0x00006541u, 0x00065410u, 0x00006542u, 0x00065420u, 0x00065421u, 0x00654210u,
+    0x00006543u, 0x00065430u, 0x00065431u, 0x00654310u, 0x00065432u, 0x00654320u, 0x00654321u, 0x06543210u,
+    0x00000007u, 0x00000070u, 0x00000071u, 0x00000710u, 0x00000072u, 0x00000720u, 0x00000721u, 0x00007210u,
+    0x00000073u, 0x00000730u, 0x00000731u, 0x00007310u, 0x00000732u, 0x00007320u, 0x00007321u, 0x00073210u,
+    0x00000074u, 0x00000740u, 0x00000741u, 0x00007410u, 0x00000742u, 0x00007420u, 0x00007421u, 0x00074210u,
+    0x00000743u, 0x00007430u, 0x00007431u, 0x00074310u, 0x00007432u, 0x00074320u, 0x00074321u, 0x00743210u,
+    0x00000075u, 0x00000750u, 0x00000751u, 0x00007510u, 0x00000752u, 0x00007520u, 0x00007521u, 0x00075210u,
+    0x00000753u, 0x00007530u, 0x00007531u, 0x00075310u, 0x00007532u, 0x00075320u, 0x00075321u, 0x00753210u,
+    0x00000754u, 0x00007540u, 0x00007541u, 0x00075410u, 0x00007542u, 0x00075420u, 0x00075421u, 0x00754210u,
+    0x00007543u, 0x00075430u, 0x00075431u, 0x00754310u, 0x00075432u, 0x00754320u, 0x00754321u, 0x07543210u,
+    0x00000076u, 0x00000760u, 0x00000761u, 0x00007610u, 0x00000762u, 0x00007620u, 0x00007621u, 0x00076210u,
+    0x00000763u, 0x00007630u, 0x00007631u, 0x00076310u, 0x00007632u, 0x00076320u, 0x00076321u, 0x00763210u,
+    0x00000764u, 0x00007640u, 0x00007641u, 0x00076410u, 0x00007642u, 0x00076420u, 0x00076421u, 0x00764210u,
+    0x00007643u, 0x00076430u, 0x00076431u, 0x00764310u, 0x00076432u, 0x00764320u, 0x00764321u, 0x07643210u,
+    0x00000765u, 0x00007650u, 0x00007651u, 0x00076510u, 0x00007652u, 0x00076520u, 0x00076521u, 0x00765210u,
+    0x00007653u, 0x00076530u, 0x00076531u, 0x00765310u, 0x00076532u, 0x00765320u, 0x00765321u, 0x07653210u,
+    0x00007654u, 0x00076540u, 0x00076541u, 0x00765410u, 0x00076542u, 0x00765420u, 0x00765421u, 0x07654210u,
+    0x00076543u, 0x00765430u, 0x00765431u, 0x07654310u, 0x00765432u, 0x07654320u, 0x07654321u, 0x76543210u,
+};
+#endif
 static int64_t keep_at_least(const float *x, int64_t n, float t, float *values, int64_t *indices) {
     int64_t w = 0, j = 0;
-#if defined(__AVX512F__)
+#ifdef LRA_SELECT_AVX512
     const __m512 low = _mm512_set1_ps(t), inf = _mm512_set1_ps(INFINITY);
     __m512i pos = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i step = _mm512_set1_epi32(16);
@@ -98,6 +145,22 @@ static int64_t keep_at_least(const float *x, int64_t n, float t, float *values, 
             w += __builtin_popcount((unsigned)keep);
         }
         pos = _mm512_add_epi32(pos, step);
+    }
+#elif defined(LRA_SELECT_AVX2)
+    const __m256 low = _mm256_set1_ps(t), inf = _mm256_set1_ps(INFINITY);
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), nibble = _mm256_set1_epi32(15);
+    for (; j + 8 <= n && j + 8 <= INT32_MAX; j += 8) {
+        const __m256 v = _mm256_loadu_ps(x + j);
+        const int keep = _mm256_movemask_ps(
+            _mm256_and_ps(_mm256_cmp_ps(v, low, _CMP_GE_OQ), _mm256_cmp_ps(v, inf, _CMP_LT_OQ)));
+        if (!keep) continue;
+        const __m256i lanes =
+            _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)LEFT_PACK[keep]), shifts), nibble);
+        _mm256_storeu_ps(values + w, _mm256_permutevar8x32_ps(v, lanes));
+        const __m256i at = _mm256_add_epi32(lanes, _mm256_set1_epi32((int)j));
+        _mm256_storeu_si256((__m256i *)(indices + w), _mm256_cvtepi32_epi64(_mm256_castsi256_si128(at)));
+        _mm256_storeu_si256((__m256i *)(indices + w + 4), _mm256_cvtepi32_epi64(_mm256_extracti128_si256(at, 1)));
+        w += __builtin_popcount((unsigned)keep);
     }
 #endif
     for (; j < n; j++) {

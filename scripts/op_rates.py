@@ -70,16 +70,18 @@ def elements_only(elements: Callable[[Tuple[Any, ...]], float]) -> Count:
     return lambda args: (None, elements(args))
 
 
+# each query's scores against the landmarks: q [G, N, D], marks [G, m, D]
+ROUTING = flops_and_elements(lambda a: 2.0 * a[0].numel() * a[1].shape[1], lambda a: a[0].numel())
+
 COUNTS: Dict[str, Count] = {
     "grouped_forward": flops_and_elements(lambda a: 4.0 * math.prod(grouped_sizes(a)), lambda a: a[0].numel()),
     "grouped_backward": flops_and_elements(lambda a: 8.0 * math.prod(grouped_sizes(a)), lambda a: a[0].numel()),
     "landmark_forward": flops_and_elements(lambda a: 4.0 * landmark_sizes(a), lambda a: a[1].numel()),
     "landmark_backward": flops_and_elements(lambda a: 8.0 * landmark_sizes(a), lambda a: a[1].numel()),
     "landmark_backward_add": flops_and_elements(lambda a: 8.0 * landmark_sizes(a), lambda a: a[1].numel()),
-    # q [G, N, D] against marks [G, m, D]
-    "route_best": flops_and_elements(lambda a: 2.0 * a[0].numel() * a[1].shape[1], lambda a: a[0].numel()),
-    # the same scores, then the queries sorted by expert (a counting sort and a copy: no FLOPs)
-    "route_order": flops_and_elements(lambda a: 2.0 * a[0].numel() * a[1].shape[1], lambda a: a[0].numel()),
+    # route_order then sorts the queries by expert (no FLOPs)
+    "route_best": ROUTING,
+    "route_order": ROUTING,
     # q [B, H, N, D] against the block means [B, H, blocks, D]
     "block_gate": flops_and_elements(lambda a: 2.0 * a[0].numel() * a[1].shape[2], lambda a: a[0].numel()),
     # w [R, k], idx [R, k], table [G N, D]

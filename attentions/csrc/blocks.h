@@ -1,12 +1,13 @@
 /* Vectorised building blocks shared by the CPU kernels (grouped, landmark, block gate, row products,
- * Top-k attention), at the machine's vector width VW (vec.h): a
- * branch-free e^x, lane-wise max and sum, and the products of two rows at once against a block held
- * in the L1 cache (dots2: across keys of a transposed block; mix2: a weighted sum of rows; add_outer:
+ * Top-k attention), at the machine's vector width VW (vec.h): a branch-free e^x, lane-wise max and
+ * sum, and the products of two rows at once against a block held in the L1 cache (dots2: across
+ * keys of a transposed block; mix2: a weighted sum of rows, of a block or read in place; add_outer:
  * a rank-C gradient update). All static inline: each kernel compiles its own copy. */
 #ifndef LRA_BLOCKS_H
 #define LRA_BLOCKS_H
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "vec.h"
@@ -116,10 +117,17 @@ static inline void dots2(const float *x0, const float *x1, const float *t, const
     }
 }
 
-/* res_c[d] = (add ? res_c[d] : 0) + sum_j w_c[j] r[j * D + d] for d < D and c = 0, 1: the rows of
- * r [n][D] mixed by w_c [n]. With add and res0 == res1 (an odd last pair) the row gets the sum once. */
-static inline void mix2(const float *w0, const float *w1, const float *r, int64_t n, int64_t D, float *res0,
-                        float *res1, int add) {
+/* Row j of the rows a mix reads: r + j D of a block r [n][D], or rp[j] of a table of row pointers
+ * (rows read where they lie, with no copy into a block); one of r and rp is NULL. */
+static inline const float *row_at(const float *r, const float *const *rp, int64_t j, int64_t D) {
+    return rp ? rp[j] : r + j * D;
+}
+
+/* res_c[d] = (add ? res_c[d] : 0) + sum_j w_c[j] row_j[d] for d < D and c = 0, 1: the rows row_j
+ * (row_at) mixed by w_c [n]. With add and res0 == res1 (an odd last pair) the row gets the sum once.
+ * Inlined, a call with a constant NULL rp or r compiles to the loop of its own kind. */
+static inline void mix2_rows(const float *w0, const float *w1, const float *r, const float *const *rp, int64_t n,
+                             int64_t D, float *res0, float *res1, int add) {
     int64_t d0 = 0;
     for (; d0 + 32 <= D; d0 += 32) {
         vf a[ROW_P][ROW_NV], b[ROW_P][ROW_NV];
@@ -131,14 +139,14 @@ static inline void mix2(const float *w0, const float *w1, const float *r, int64_
         int64_t j = 0;
         for (; j + ROW_P <= n; j += ROW_P)
             for (int p = 0; p < ROW_P; p++) {
-                const float *row = r + (j + p) * D + d0;
+                const float *row = row_at(r, rp, j + p, D) + d0;
                 vf x[ROW_NV];
                 for (int v = 0; v < ROW_NV; v++) x[v] = loadv(row + v * VW);
                 const vf u = splatv(w0[j + p]), w = splatv(w1[j + p]);
                 for (int v = 0; v < ROW_NV; v++) a[p][v] += u * x[v], b[p][v] += w * x[v];
             }
         for (; j < n; j++) {
-            const float *row = r + j * D + d0;
+            const float *row = row_at(r, rp, j, D) + d0;
             const vf u = splatv(w0[j]), w = splatv(w1[j]);
             for (int v = 0; v < ROW_NV; v++) {
                 const vf x = loadv(row + v * VW);
@@ -152,16 +160,28 @@ static inline void mix2(const float *w0, const float *w1, const float *r, int64_
     for (; d0 + VW <= D; d0 += VW) {
         vf a = add ? loadv(res0 + d0) : splatv(0.0f), b = add ? loadv(res1 + d0) : splatv(0.0f);
         for (int64_t j = 0; j < n; j++) {
-            const vf x = loadv(r + j * D + d0);
+            const vf x = loadv(row_at(r, rp, j, D) + d0);
             a += splatv(w0[j]) * x, b += splatv(w1[j]) * x;
         }
         storev(res0 + d0, a), storev(res1 + d0, b);
     }
     for (int64_t d = d0; d < D; d++) {
         float u = add ? res0[d] : 0.0f, w = add ? res1[d] : 0.0f;
-        for (int64_t j = 0; j < n; j++) u += w0[j] * r[j * D + d], w += w1[j] * r[j * D + d];
+        for (int64_t j = 0; j < n; j++) u += w0[j] * row_at(r, rp, j, D)[d], w += w1[j] * row_at(r, rp, j, D)[d];
         res0[d] = u, res1[d] = w;
     }
+}
+
+/* mix2_rows of a block r [n][D] */
+static inline void mix2(const float *w0, const float *w1, const float *r, int64_t n, int64_t D, float *res0,
+                        float *res1, int add) {
+    mix2_rows(w0, w1, r, NULL, n, D, res0, res1, add);
+}
+
+/* mix2_rows of the rows rp[0 .. n), each D floats where it lies */
+static inline void mix2_at(const float *w0, const float *w1, const float *const *rp, int64_t n, int64_t D,
+                           float *res0, float *res1, int add) {
+    mix2_rows(w0, w1, NULL, rp, n, D, res0, res1, add);
 }
 
 /* out [D] = sum_j w[j] table[(base + idx[j]) D ..]: k rows picked by index and mixed (Top-k attention's

@@ -9,12 +9,13 @@
  *     d_logits = p * (d_out . v + offset),  offset = d_lse - d_out . out,
  *     dq = scale d_logits K,  dK = scale d_logits^T q,  dV = p^T d_out.
  *
- * An expert's keys and values are copied once into small buffers (transposed [D][n] for the
- * products across keys, row-major [n][D] for the products across the head dim), so the inner
- * loops run over contiguous floats and vectorise. Threads take runs of `unit` whole experts
- * chosen so that two threads never add into the same gradient row: the caller sets unit so that
- * experts of different units share no key rows and no shared table. No atomics; for a given
- * thread count the results are deterministic.
+ * The products across keys read an expert's keys (forward) or values (backward) from a small
+ * transposed copy [D][n] made once per expert, so the inner loops run over contiguous floats and
+ * vectorise; the products across the head dim read the value (forward) or key (backward) rows where
+ * they lie in the tables, through a table of n row pointers (a row-major copy of them cost 3-10% of
+ * either pass at N = 1K). Threads take runs of `unit` whole experts chosen so that two threads never
+ * add into the same gradient row: the caller sets unit so that experts of different units share no
+ * key rows and no shared table. No atomics; for a given thread count the results are deterministic.
  */
 #include <math.h>
 #include <stdint.h>
@@ -58,11 +59,12 @@ static inline int64_t key_row(const Grouped *a, int64_t x, int64_t s) {
 }
 
 /* Column block [first, first + count) of the expert buffers from table rows: transposed kt, vt
- * [D][n] and row-major kr, vr [n][D] (vt and kr only in the backward: NULL in the forward); bias
- * 0 or -inf per key. */
+ * [D][n], each only where the pass reads it (else NULL: the forward reads kt, the backward vt, and
+ * kt only to recompute the softmax rows); pointers to the rows of `mixed` (the forward's values,
+ * the backward's keys) in rows [n]; bias 0 or -inf per key. */
 static void load_keys(const Grouped *a, int64_t n, int64_t first, int64_t count, const float *keys,
-                      const float *values, const int64_t *row_of, const uint8_t *ok, float *kt, float *vt,
-                      float *kr, float *vr, float *bias) {
+                      const float *values, const float *mixed, const int64_t *row_of, const uint8_t *ok, float *kt,
+                      float *vt, const float **rows, float *bias) {
     const int64_t D = a->D;
     for (int64_t s0 = 0; s0 < count; s0 += 8) {
         const int64_t c = count - s0 < 8 ? count - s0 : 8;
@@ -70,27 +72,29 @@ static void load_keys(const Grouped *a, int64_t n, int64_t first, int64_t count,
         for (int64_t i = 0; i < c; i++) {
             const int64_t s = s0 + i, j = first + s;
             krow[i] = keys + row_of[s] * D, vrow[i] = values + row_of[s] * D;
-            copy_row(vr + j * D, vrow[i], D);
-            if (kr) copy_row(kr + j * D, krow[i], D);
+            rows[j] = mixed + row_of[s] * D;
             bias[j] = (ok && !ok[s]) ? -INFINITY : 0.0f;
         }
-        transpose_rows(krow, c, D, kt + first + s0, n);
+        if (kt) transpose_rows(krow, c, D, kt + first + s0, n);
         if (vt) transpose_rows(vrow, c, D, vt + first + s0, n);
     }
 }
 
-/* The buffers of expert x: its group's shared keys (when the group changed) and its own keys. */
-static void load_expert(const Grouped *a, int64_t x, int64_t *group_loaded, int64_t *row_of, float *kt,
-                        float *vt, float *kr, float *vr, float *bias) {
+/* The buffers of expert x: its group's shared keys (when the group changed) and its own keys. The
+ * forward mixes value rows (kt, no vt), the backward key rows (vt, and kt when recomputing). */
+static void load_expert(const Grouped *a, int64_t x, int backward, int64_t *group_loaded, int64_t *row_of,
+                        float *kt, float *vt, const float **rows, float *bias) {
     const int64_t S = a->S, M = a->M, n = M + S;
     const int64_t g = x / a->group;
     if (M > 0 && g != *group_loaded) {
         for (int64_t j = 0; j < M; j++) row_of[j] = g * M + j;
-        load_keys(a, n, 0, M, a->skeys, a->svalues, row_of, a->sok ? a->sok + g * M : NULL, kt, vt, kr, vr, bias);
+        load_keys(a, n, 0, M, a->skeys, a->svalues, backward ? a->skeys : a->svalues, row_of,
+                  a->sok ? a->sok + g * M : NULL, kt, vt, rows, bias);
         *group_loaded = g;
     }
     for (int64_t s = 0; s < S; s++) row_of[s] = key_row(a, x, s);
-    load_keys(a, n, M, S, a->keys, a->values, row_of, a->key_ok ? a->key_ok + x * S : NULL, kt, vt, kr, vr, bias);
+    load_keys(a, n, M, S, a->keys, a->values, backward ? a->keys : a->values, row_of,
+              a->key_ok ? a->key_ok + x * S : NULL, kt, vt, rows, bias);
 }
 
 /* Softmax of logits [n] in place (unnormalised exps); returns the max, -inf when every key is masked,
@@ -105,16 +109,17 @@ static float softmax_exps(float *logits, int64_t n, float *total) {
 
 /* Up to CHUNK pairs of one expert at a time. Forward: their softmax rows and scaled queries stay in
  * the cache while the products run phase by phase (all the logits against kt, then the softmaxes,
- * then all the mixes of vr), so that each phase has one [n][D] block in L1, not both (at 16K, 14%
- * faster than two pairs through all three steps). Backward: their p, d_logits, scaled queries and
- * output gradients stay in the cache for the expert's rank-C updates (there, phase by phase was 5-8%
- * slower than two pairs at a time: a pair's p is used right after it is made). */
+ * then all the mixes of the value rows), so that each phase reads one [n][D] block, not both (at
+ * 16K, 14% faster than two pairs through all three steps). Backward: their p, d_logits, scaled
+ * queries and output gradients stay in the cache for the expert's rank-C updates (there, phase by
+ * phase was 5-8% slower than two pairs at a time: a pair's p is used right after it is made). */
 #define CHUNK 32
 
 /* Pairs order[t0 .. t0 + rows) of one expert: out [D] and lse each; their softmax rows into
- * probs (in sorted pair order) when the caller keeps them. p: CHUNK n floats, qs: CHUNK D. */
-static void forward_chunk(const Grouped *a, int64_t t0, int64_t rows, int64_t n, const float *kt, const float *vr,
-                          const float *bias, float *p, float *qs) {
+ * probs (in sorted pair order) when the caller keeps them. The expert's n value rows: the block
+ * vblock [n][D] or the pointers vrows (row_at); p: CHUNK n floats, qs: CHUNK D. */
+static void forward_chunk(const Grouped *a, int64_t t0, int64_t rows, int64_t n, const float *kt,
+                          const float *vblock, const float *const *vrows, const float *bias, float *p, float *qs) {
     const int64_t D = a->D;
     const int64_t *pair = a->order + t0;
     float top[CHUNK], total[CHUNK];
@@ -131,7 +136,7 @@ static void forward_chunk(const Grouped *a, int64_t t0, int64_t rows, int64_t n,
     }
     for (int64_t c = 0; c < rows; c += 2) {
         const int64_t c1 = c + 1 < rows ? c + 1 : c;
-        mix2(p + c * n, p + c1 * n, vr, n, D, a->out + pair[c] * D, a->out + pair[c1] * D, 0);
+        mix2_rows(p + c * n, p + c1 * n, vblock, vrows, n, D, a->out + pair[c] * D, a->out + pair[c1] * D, 0);
     }
     for (int64_t c = 0; c < rows; c++) {
         float *out = a->out + pair[c] * D;
@@ -147,10 +152,11 @@ static void forward_chunk(const Grouped *a, int64_t t0, int64_t rows, int64_t n,
 }
 
 /* Rows c0, c1 of the chunk (pairs i0, i1; equal for an odd last pair): p and d_logits [n], scaled q
- * and d_out [D] each; dq written. A pair whose keys are all masked (lse -inf) gets zero rows and dq 0. */
+ * and d_out [D] each; dq written (the expert's n key rows: kblock [n][D] or the pointers krows). A
+ * pair whose keys are all masked (lse -inf) gets zero rows and dq 0. */
 static void backward_two(const Grouped *a, const int64_t pair[2], int64_t n, const float *kt, const float *vt,
-                         const float *kr, const float *bias, const float *zeros, const float *saved[2], float *p[2],
-                         float *ds[2], float *qs[2], float *dout[2]) {
+                         const float *kblock, const float *const *krows, const float *bias, const float *zeros,
+                         const float *saved[2], float *p[2], float *ds[2], float *qs[2], float *dout[2]) {
     const int64_t D = a->D;
     /* an odd last pair shares its rows with itself: the in-place steps run once */
     const int count = pair[1] == pair[0] ? 1 : 2;
@@ -176,7 +182,7 @@ static void backward_two(const Grouped *a, const int64_t pair[2], int64_t n, con
         for (int64_t j = 0; j < n; j++) ds[c][j] = p[c][j] * (ds[c][j] + offset);
     }
     float *dq0 = a->dq + pair[0] * D, *dq1 = a->dq + pair[1] * D;
-    mix2(ds[0], ds[1], kr, n, D, dq0, dq1, 0);
+    mix2_rows(ds[0], ds[1], kblock, krows, n, D, dq0, dq1, 0);
     for (int c = 0; c < count; c++) {
         float *dq = a->dq + pair[c] * D;
         const int masked = a->lse[pair[c]] == -INFINITY;
@@ -220,14 +226,16 @@ static void *run_work(void *arg) {
     const Work *w = (const Work *)arg;
     const Grouped *a = w->a;
     const int64_t S = a->S, M = a->M, D = a->D, n = M + S;
-    /* kt, vt, kr, vr, dk, dv [n * D]; bias, zeros [n]; p, ds [CHUNK * n]; qs, dout [CHUNK * D]; row_of */
-    const int64_t floats = 6 * n * D + 2 * n + 2 * CHUNK * n + 2 * CHUNK * D;
-    float *buf = (float *)calloc(1, sizeof(float) * floats + sizeof(int64_t) * (S + M + 1));
+    /* kt, vt, dk, dv [n * D]; bias, zeros [n]; p, ds [CHUNK * n]; qs, dout [CHUNK * D] (an even
+     * number of floats: the pointers after them are aligned); the mixed rows' pointers [n]; row_of */
+    const int64_t floats = 4 * n * D + 2 * n + 2 * CHUNK * n + 2 * CHUNK * D;
+    float *buf = (float *)calloc(1, sizeof(float) * floats + sizeof(float *) * n + sizeof(int64_t) * (S + M + 1));
     if (!buf) return (void *)1;
-    float *kt = buf, *vt = kt + n * D, *kr = vt + n * D, *vr = kr + n * D, *dk = vr + n * D, *dv = dk + n * D;
+    float *kt = buf, *vt = kt + n * D, *dk = vt + n * D, *dv = dk + n * D;
     float *bias = dv + n * D, *zeros = bias + n, *p = zeros + n, *ds = p + CHUNK * n;
     float *qs = ds + CHUNK * n, *dout = qs + CHUNK * D;
-    int64_t *row_of = (int64_t *)(dout + CHUNK * D);
+    const float **mixed = (const float **)(dout + CHUNK * D);
+    int64_t *row_of = (int64_t *)(mixed + n);
     /* the backward's shared-key gradients (rows below M of dk, dv) add up over all the experts of a
      * group and go to the shared tables once per group: per expert, zeroing and adding back M rows
      * cost as much as the expert's own S rows (at N = 1K, an expert has ~16 queries) */
@@ -238,10 +246,14 @@ static void *run_work(void *arg) {
             if (w->backward && !a->rows) zero_own_rows(a, x);
             continue;
         }
-        load_expert(a, x, &group_loaded, row_of, kt, w->backward ? vt : NULL, w->backward ? kr : NULL, vr, bias);
+        load_expert(a, x, w->backward, &group_loaded, row_of, w->backward && a->probs ? NULL : kt,
+                    w->backward ? vt : NULL, mixed, bias);
+        /* an expert whose keys are its own rows and no shared ones mixes its rows as one block */
+        const float *block = !a->rows && M == 0 ? (w->backward ? a->keys : a->values) + x * S * D : NULL;
+        const float *const *at = block ? NULL : mixed;
         if (!w->backward) {
             for (int64_t t0 = begin; t0 < end; t0 += CHUNK)
-                forward_chunk(a, t0, end - t0 < CHUNK ? end - t0 : CHUNK, n, kt, vr, bias, p, qs);
+                forward_chunk(a, t0, end - t0 < CHUNK ? end - t0 : CHUNK, n, kt, block, at, bias, p, qs);
             continue;
         }
         if (M > 0 && x / a->group != group_summed) {
@@ -264,7 +276,7 @@ static void *run_work(void *arg) {
                     pc[h] = p + row[h] * n, dsc[h] = ds + row[h] * n;
                     qsc[h] = qs + row[h] * D, doutc[h] = dout + row[h] * D;
                 }
-                backward_two(a, pair, n, kt, vt, kr, bias, zeros, saved, pc, dsc, qsc, doutc);
+                backward_two(a, pair, n, kt, vt, block, at, bias, zeros, saved, pc, dsc, qsc, doutc);
             }
             /* dK += d_logits^T (scale q), dV += p^T d_out over the chunk's pairs */
             add_outer(ds, qs, rows, n, D, dk);

@@ -38,6 +38,24 @@ static inline float sumv(vf x) {
     return total;
 }
 
+/* A store that bypasses the caches (x86's non-temporal stores) for rows written once and read back
+ * much later, so they do not push the working set out; p aligned to a whole vector (STREAM_ALIGN
+ * bytes). A plain store where the machine has none. stream_fence() orders them before the stores
+ * that follow (call it once when a thread is done). */
+#define STREAM_ALIGN (4 * VW)
+#if VW == 16 && defined(__AVX512F__)
+#include <immintrin.h>
+static inline void streamv(float *p, vf x) { _mm512_stream_ps(p, (__m512)x); }
+static inline void stream_fence(void) { _mm_sfence(); }
+#elif VW == 8 && defined(__AVX__)
+#include <immintrin.h>
+static inline void streamv(float *p, vf x) { _mm256_stream_ps(p, (__m256)x); }
+static inline void stream_fence(void) { _mm_sfence(); }
+#else
+static inline void streamv(float *p, vf x) { storev(p, x); }
+static inline void stream_fence(void) {}
+#endif
+
 static inline v8 load8(const float *p) { return *(const v8u *)p; }
 static inline void store8(float *p, v8 x) { *(v8u *)p = x; }
 static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }

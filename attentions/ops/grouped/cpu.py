@@ -198,11 +198,17 @@ def _(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, orde
 def _grouped_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs[:10], *output)
     ctx.group, ctx.scale, ctx.unit = inputs[10:]
+    # the softmax rows are kept for the backward only: no gradient, and none made of zeros for them
+    # (nor for an unused lse: the kernel takes none), [P, M + S] floats of writes per step
+    ctx.mark_non_differentiable(output[2])
+    ctx.set_materialize_grads(False)
 
 
 def _grouped_grad(ctx, d_out: Optional[torch.Tensor], d_lse: Optional[torch.Tensor], _d_probs):
     q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets, out, lse, probs = (
         ctx.saved_tensors)
+    if d_out is None and d_lse is None:
+        return (None,) * 13
     if d_out is None:
         d_out = torch.zeros_like(out)
     dq, d_keys, d_values, d_shared_keys, d_shared_values = grouped_backward(
@@ -307,9 +313,14 @@ def _(parts, lse, out, weights, d_out, slot_major):
 def _merge_setup(ctx, inputs, output) -> None:
     parts, lse, ctx.slot_major = inputs
     ctx.save_for_backward(parts, lse, *output)
+    # the weights are kept for the backward only
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
 
 
 def _merge_grad(ctx, d_out: Optional[torch.Tensor], _d_weights):
+    if d_out is None:
+        return None, None, None
     parts, lse, out, weights = ctx.saved_tensors
     d_parts, d_lse = merge_parts_backward(parts, lse, out, weights, d_out, ctx.slot_major)
     return d_parts, d_lse, None

@@ -4,6 +4,7 @@ MiTA and MoBA (ops/grouped), the top-k selection (ops/topk_selection), Top-k att
 experts, a pair with no expert, ties and infinities; and what happens where they cannot be built."""
 from __future__ import annotations
 
+import ctypes
 import math
 
 import pytest
@@ -80,6 +81,22 @@ def test_grouped_kernel_gives_the_same_bits_with_one_or_two_threads() -> None:
     (out1, lse1, grads1), (out2, lse2, grads2) = results
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
     assert all(torch.equal(a, b) for a, b in zip(grads1, grads2))
+
+
+@needs_kernels
+def test_the_kernels_exp_is_within_2e_7_of_torch_exp() -> None:
+    # exp_nonpos (csrc/blocks.h), every kernel's softmax: a dense grid of its domain and the ends
+    lib = native.load("grouped_cpu")
+    lib.lra_exp_nonpos.argtypes, lib.lra_exp_nonpos.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None
+    grid = torch.linspace(-87.3, 0.0, 1_000_001)
+    ends = torch.tensor([0.0, -0.0, -87.7, -88.0, -100.0, -1e30, float("-inf"), float("nan")])
+    x = torch.cat([grid, ends])
+    y = torch.empty_like(x)
+    lib.lra_exp_nonpos(x.data_ptr(), y.data_ptr(), x.numel())
+    exact = torch.exp(grid.double())
+    assert float(((y[: grid.numel()].double() - exact) / exact).abs().max()) < 2e-7
+    # e^0 is 1 exactly; below -87.7 (a -inf logit too) the weight is 0; NaN stays NaN
+    assert y[-8:-1].tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0] and math.isnan(y[-1])
 
 
 @needs_kernels

@@ -15,7 +15,7 @@ from attentions.backends import topk
 from attentions.ops import native, row_products, topk_selection, tuning
 from attentions.ops.grouped import cpu as grouped_cpu, pick_grouped
 from attentions.ops.grouped.cpu import grouped_attention_cpu
-from attentions.ops.grouped.reference import grouped_attention
+from attentions.ops.grouped.reference import expert_runs, grouped_attention
 from attentions.ops.row_products import cpu as row_kernels, reference as row_reference
 from attentions.ops.topk_attention import cpu as fused_cpu, reference as fused_reference
 from attentions.ops.topk_selection import topk_unsorted
@@ -97,6 +97,18 @@ def test_the_kernels_exp_is_within_2e_7_of_torch_exp() -> None:
     assert float(((y[: grid.numel()].double() - exact) / exact).abs().max()) < 2e-7
     # e^0 is 1 exactly; below -87.7 (a -inf logit too) the weight is 0; NaN stays NaN
     assert y[-8:-1].tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0] and math.isnan(y[-1])
+
+
+@needs_kernels
+def test_expert_runs_equal_the_stable_argsort() -> None:
+    gen = torch.Generator().manual_seed(5)
+    for pairs, experts in [(5000, 37), (1, 1), (0, 4), (300, 300)]:
+        expert = torch.randint(0, experts + 1, (pairs,), generator=gen)  # experts + 1: no expert
+        order, offsets = grouped_cpu.expert_runs_op(expert, experts)
+        ref_order, ref_offsets = expert_runs(expert, experts)
+        assert torch.equal(order, ref_order) and torch.equal(offsets, ref_offsets)
+    with pytest.raises(AttentionError, match=r"outside \[0, 4\]"):
+        grouped_cpu.expert_runs_op(torch.tensor([0, 5, 1]), 4)
 
 
 @needs_kernels

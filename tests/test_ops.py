@@ -41,7 +41,9 @@ def grouped_inputs(shared: bool, masked: bool, by_rows: bool, grad: bool) -> tup
         key_ok[:, 0] = 1
     shared_keys, shared_values = (randn(1, 2, d, grad=grad) for _ in range(2)) if shared else (None, None)
     shared_ok = torch.tensor([[1, 0]], dtype=torch.uint8) if shared and masked else None
-    group, unit = (3, 3) if shared else (1, 1)
+    # a unit holds every expert that may share a key row with another (the kernel's contract: two
+    # threads never add into one gradient row): with rows read by index, all three
+    group, unit = (3, 3) if shared else (1, x if by_rows else 1)
     return (randn(p, d, grad=grad), keys, values, shared_keys, shared_values, index, key_ok, shared_ok, order,
             offsets, group, 0.35, unit)
 
@@ -79,6 +81,7 @@ def cases() -> List[Tuple[str, Callable, tuple]]:
         out.append((f"merge_parts_backward-slot_major{int(slot_major)}", grouped.merge_parts_backward,
                     (parts.detach(), lse.detach(), o, w, randn(6, 8), slot_major)))
     out.append(("take_rows", grouped.take_rows_op, (randn(10, 8), torch.tensor([3, 0, 9, 3, 1]))))
+    out.append(("expert_runs", grouped.expert_runs_op, (torch.tensor([2, 0, 3, 2, 1, 0]), 3)))
     starts, ends = pool_bounds()
     out.append(("pool_bins", landmark.pool_bins, (randn(4, 10, 8, grad=True), starts, ends, 2)))
     out.append(("pool_bins_backward", landmark.pool_bins_backward, (randn(4, 3, 8), starts, ends, 2, 10)))
@@ -129,7 +132,7 @@ def test_opcheck(name: str, op, args: tuple) -> None:
 def test_every_kernel_entry_is_an_operator_in_one_namespace() -> None:
     names = {c[0].split("-")[0] for c in CASES}
     assert names == {"grouped_forward", "grouped_backward", "merge_parts", "merge_parts_backward", "take_rows",
-                     "pool_bins", "pool_bins_backward", "pool_bins_backward_add", "landmark_forward",
+                     "expert_runs", "pool_bins", "pool_bins_backward", "pool_bins_backward_add", "landmark_forward",
                      "landmark_backward", "landmark_backward_add", "route_best", "route_order", "topk_select",
                      "topk_attention", "mix_rows", "dot_rows", "scatter_outer", "block_gate", "dropout"}
     for name in names:
@@ -150,5 +153,5 @@ def test_the_profiler_names_the_operators_of_a_training_step() -> None:
         seen |= {e.key for e in prof.key_averages() if e.key.startswith("lra::")}
     assert {"lra::pool_bins", "lra::landmark_forward", "lra::route_order", "lra::topk_select", "lra::take_rows",
             "lra::grouped_forward", "lra::grouped_backward", "lra::landmark_backward_add",
-            "lra::pool_bins_backward_add", "lra::block_gate", "lra::merge_parts", "lra::merge_parts_backward",
+            "lra::pool_bins_backward_add", "lra::block_gate", "lra::expert_runs", "lra::merge_parts", "lra::merge_parts_backward",
             "lra::topk_attention", "lra::mix_rows", "lra::dot_rows", "lra::scatter_outer"} <= seen, sorted(seen)

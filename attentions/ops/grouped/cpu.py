@@ -28,7 +28,7 @@ from torch.library import custom_op, register_autograd, register_fake
 
 from ...base import AttentionError
 from .. import native, tuning
-from .reference import expert_runs, gather_rows, grouped_attention, merge
+from .reference import gather_rows, grouped_attention, merge
 
 LIBRARY = "grouped_cpu"
 _f, _i64 = ctypes.c_float, ctypes.c_int64
@@ -58,6 +58,8 @@ def library() -> Optional[ctypes.CDLL]:
         lib.merge_parts.argtypes, lib.merge_parts.restype = [ctypes.POINTER(Merge), ctypes.c_int], ctypes.c_int
         lib.take_rows.argtypes = [ctypes.c_void_p] * 3 + [_i64] * 3
         lib.take_rows.restype = None
+        lib.expert_runs.argtypes = [ctypes.c_void_p, _i64, _i64, ctypes.c_void_p, ctypes.c_void_p]
+        lib.expert_runs.restype = ctypes.c_int
         lib._typed = True
     return lib
 
@@ -102,6 +104,25 @@ def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if not (takes(x) and x.dim() == 2 and x.is_contiguous() and index.dtype == torch.int64 and index.is_contiguous()):
         return x.index_select(0, index)
     return take_rows_op(x, index)
+
+
+@custom_op("lra::expert_runs", mutates_args=(), device_types="cpu")
+def expert_runs_op(expert: torch.Tensor, experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """reference.expert_runs on the kernel (a counting sort) for contiguous int64 expert [P] in
+    [0, experts]: order [P] and offsets [experts + 1]."""
+    order, offsets = expert.new_empty(expert.shape[0]), expert.new_empty(experts + 1)
+    status = library().expert_runs(expert.data_ptr(), expert.numel(), experts, order.data_ptr(), offsets.data_ptr())
+    if status == 1:
+        raise AttentionError(f"an expert number is outside [0, {experts}] (the experts and the no-expert number "
+                             f"{experts})")
+    if status != 0:
+        raise MemoryError("the grouped CPU kernel could not allocate the counts of its expert runs")
+    return order, offsets
+
+
+@register_fake("lra::expert_runs")
+def _(expert, experts):
+    return torch.empty_like(expert), expert.new_empty(experts + 1)
 
 
 def _call(fn_name: str, args: Grouped) -> None:
@@ -257,7 +278,7 @@ def grouped_attention_cpu(
     key_ok = None if key_ok is None else key_ok.contiguous().view(torch.uint8)
     shared_ok = None if shared_ok is None else shared_ok.contiguous().view(torch.uint8)
     rows = None if rows is None else rows.contiguous()
-    order, offsets = expert_runs(expert, experts)
+    order, offsets = expert_runs_op(expert.to(torch.long).contiguous(), experts)
     out, lse, _ = grouped_forward(q.contiguous(), keys, values, shared_keys, shared_values, rows, key_ok, shared_ok,
                                   order, offsets, group, scale, unit)
     return out, lse if with_lse else q.new_empty(0)

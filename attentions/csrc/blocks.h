@@ -188,12 +188,6 @@ static inline void mix2(const float *w0, const float *w1, const float *r, int64_
     mix2_rows(w0, w1, r, NULL, n, D, res0, res1, add);
 }
 
-/* mix2_rows of the rows rp[0 .. n), each D floats where it lies */
-static inline void mix2_at(const float *w0, const float *w1, const float *const *rp, int64_t n, int64_t D,
-                           float *res0, float *res1, int add) {
-    mix2_rows(w0, w1, NULL, rp, n, D, res0, res1, add);
-}
-
 /* out [D] = sum_j w[j] table[(base + idx[j]) D ..]: k rows picked by index and mixed (Top-k attention's
  * output and dq): 32 floats at a time over alternating picks (8 accumulators), then a vector, then
  * one by one */

@@ -149,7 +149,7 @@ static void forward_chunk(const Grouped *a, int64_t t0, int64_t rows, int64_t n,
         if (a->probs) {
             /* streamed past the caches where the rows are whole aligned vectors: the backward reads
              * them long after (8 MB at N = 1K, batch 8), and written through the cache they evicted
-             * the tables this pass reads (the forward 8-13% faster on the AMD EPYC at 1K) */
+             * the tables this pass reads (the forward 7-14% faster on the AMD EPYC at 1K) */
             float *saved = a->probs + (t0 + c) * n;
             int64_t j = 0;
             if ((uintptr_t)saved % STREAM_ALIGN == 0 && n % VW == 0)

@@ -153,5 +153,5 @@ def test_the_profiler_names_the_operators_of_a_training_step() -> None:
         seen |= {e.key for e in prof.key_averages() if e.key.startswith("lra::")}
     assert {"lra::pool_bins", "lra::landmark_forward", "lra::route_order", "lra::topk_select", "lra::take_rows",
             "lra::grouped_forward", "lra::grouped_backward", "lra::landmark_backward_add",
-            "lra::pool_bins_backward_add", "lra::block_gate", "lra::expert_runs", "lra::merge_parts", "lra::merge_parts_backward",
-            "lra::topk_attention", "lra::mix_rows", "lra::dot_rows", "lra::scatter_outer"} <= seen, sorted(seen)
+            "lra::pool_bins_backward_add", "lra::block_gate", "lra::expert_runs", "lra::merge_parts",
+            "lra::merge_parts_backward", "lra::topk_attention", "lra::mix_rows", "lra::dot_rows", "lra::scatter_outer"} <= seen, sorted(seen)

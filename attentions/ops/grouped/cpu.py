@@ -219,8 +219,8 @@ def _(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, orde
 def _grouped_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs[:10], *output)
     ctx.group, ctx.scale, ctx.unit = inputs[10:]
-    # the softmax rows are kept for the backward only: no gradient, and none made of zeros for them
-    # (nor for an unused lse: the kernel takes none), [P, M + S] floats of writes per step
+    # the softmax rows [P, M + S] are kept for the backward only: no gradient flows into them, and
+    # autograd makes no zeros for them (nor for an unused lse: the kernel then takes d_lse None)
     ctx.mark_non_differentiable(output[2])
     ctx.set_materialize_grads(False)
 

@@ -1,6 +1,7 @@
 """The C kernels at both vector widths (csrc/vec.h): the machine's own (16 floats with AVX-512, 8
-otherwise) is what the rest of the suite tests; on a machine with AVX-512 the 8-float form is built
-too (LRA_KERNEL_WIDTH=8, its own cache) and the reference-vs-fast kernel tests run against it."""
+otherwise) is what the rest of the suite tests; the other width is built too (LRA_KERNEL_WIDTH=8 on a
+machine with AVX-512, LRA_KERNEL_WIDTH=16 elsewhere, each in its own cache) and the reference-vs-fast
+kernel tests run against it, so both widths' code paths are tested wherever the suite runs."""
 from __future__ import annotations
 
 import os
@@ -14,7 +15,8 @@ from attentions.ops import native
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_TESTS = ["tests/test_cpu_kernels.py", "tests/test_ops.py", "tests/test_landmark_cpu.py",
-                "tests/test_grouped.py", "tests/test_block_gate.py"]
+                "tests/test_grouped.py", "tests/test_block_gate.py", "tests/test_mita_cpu.py",
+                "tests/test_topk_moba.py"]
 needs_kernels = pytest.mark.skipif(native.load("grouped_cpu") is None, reason="the C kernels do not build here")
 
 
@@ -22,15 +24,20 @@ def has_avx512() -> bool:
     return any(line.startswith("flags") and " avx512f" in line for line in native.cpu_identity().splitlines())
 
 
-def narrow_env(tmp_path: Path) -> dict:
-    return {**os.environ, "LRA_KERNEL_WIDTH": "8", "LRA_KERNEL_CACHE": str(tmp_path / "kernels"),
+def other_width() -> str:
+    """The width that is not the machine's own: 8 where AVX-512 is, else 16."""
+    return "8" if has_avx512() else "16"
+
+
+def width_env(tmp_path: Path, width: str) -> dict:
+    return {**os.environ, "LRA_KERNEL_WIDTH": width, "LRA_KERNEL_CACHE": str(tmp_path / "kernels"),
             "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 @needs_kernels
 def test_the_built_width_follows_the_machine() -> None:
-    if os.environ.get("LRA_KERNEL_WIDTH") == "8":
-        assert native.vector_width("grouped_cpu") == 8
+    if os.environ.get("LRA_KERNEL_WIDTH") in ("8", "16"):
+        assert native.vector_width("grouped_cpu") == int(os.environ["LRA_KERNEL_WIDTH"])
     else:
         assert native.vector_width("grouped_cpu") == (16 if has_avx512() else 8)
     assert {native.vector_width(name) for name in ("landmark_cpu", "sparse_rows", "block_gate", "topk_select",
@@ -39,21 +46,20 @@ def test_the_built_width_follows_the_machine() -> None:
 
 @needs_kernels
 def test_an_unknown_width_is_refused_with_the_widths_there_are(tmp_path: Path) -> None:
-    env = {**narrow_env(tmp_path), "LRA_KERNEL_WIDTH": "12"}
+    env = width_env(tmp_path, "12")
     code = "from attentions.ops import native; print(native.load('grouped_cpu'), native.why_not('grouped_cpu'))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, check=True)
-    assert out.stdout.strip() == "None LRA_KERNEL_WIDTH='12' is not a width the kernels build at: use 8 or native"
+    assert out.stdout.strip() == "None LRA_KERNEL_WIDTH='12' is not a width the kernels build at: use 8, 16 or native"
 
 
 @needs_kernels
-@pytest.mark.skipif(not has_avx512(), reason="no AVX-512 here: the machine's own width is the 8-float form, "
-                                             "which the rest of the suite tests")
-def test_the_narrow_form_passes_the_kernel_tests_on_a_wide_machine(tmp_path: Path) -> None:
-    env = narrow_env(tmp_path)
-    width = subprocess.run([sys.executable, "-c", "from attentions.ops import native; "
+def test_the_other_width_passes_the_kernel_tests(tmp_path: Path) -> None:
+    width = other_width()
+    env = width_env(tmp_path, width)
+    built = subprocess.run([sys.executable, "-c", "from attentions.ops import native; "
                             "print(native.vector_width('grouped_cpu'))"], env=env, capture_output=True, text=True,
                            cwd=ROOT, check=True)
-    assert width.stdout.strip() == "8"
+    assert built.stdout.strip() == width
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS],
                          env=env, capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
@@ -66,3 +72,5 @@ def test_x86_builds_ask_for_the_full_width_in_plain_loops_too(monkeypatch: pytes
     assert ("-mprefer-vector-width=512" in native.width_flags()) == x86
     monkeypatch.setenv("LRA_KERNEL_WIDTH", "8")
     assert native.width_flags() == ["-DLRA_NARROW"]
+    monkeypatch.setenv("LRA_KERNEL_WIDTH", "16")
+    assert native.width_flags()[0] == "-DLRA_WIDE"

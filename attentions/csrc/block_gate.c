@@ -6,7 +6,7 @@
  *     chosen [G, N, per_query] block numbers, ok [G, N, per_query] 1 for a block with a real key.
  * The order of a query's chosen blocks is best first; of equal gates the lower block number wins.
  * The PyTorch path (moba.choose_blocks) builds the [B, H, chunk, blocks] gate tensor, scatters the
- * +inf, masks and runs topk over it; here a pair of queries scores the head's transposed means,
+ * +inf, masks and runs topk over it; here six queries at a time score the head's transposed means,
  * which stay in the L1 cache, and a per_query-long sorted list replaces topk (per_query is small).
  *
  * Threads take whole heads: no two write the same row, no atomics, the same bits for any thread count.
@@ -46,27 +46,29 @@ static void keep_best(const Gate *a, const float *gate, int64_t *chosen, uint8_t
     for (int64_t s = 0; s < t; s++) ok[s] = best[s] > -INFINITY;
 }
 
-/* Head g; buf: D blocks (means transposed) + 3 blocks + per_query floats. */
+/* Head g; buf: D blocks (means transposed) + 7 blocks (bias, six queries' gates) + per_query floats. */
 static void gate_head(const Gate *a, int64_t g, float *buf) {
     const int64_t N = a->N, D = a->D, nb = a->blocks, t = a->per_query;
-    float *mt = buf, *bias = mt + D * nb, *g0 = bias + nb, *g1 = g0 + nb, *best = g1 + nb;
+    float *mt = buf, *bias = mt + D * nb, *gates = bias + nb, *best = gates + 6 * nb;
     const float *means = a->means + g * nb * D;
     for (int64_t j = 0; j < nb; j++)
         for (int64_t d = 0; d < D; d++) mt[d * nb + j] = means[j * D + d];
     const uint8_t *empty = a->empty ? a->empty + (g / a->heads) * nb : NULL;
     for (int64_t j = 0; j < nb; j++) bias[j] = empty && empty[j] ? -INFINITY : 0.0f;
     const float *Q = a->q + g * N * D;
-    for (int64_t i = 0; i < N; i += 2) {
-        const int64_t i1 = i + 1 < N ? i + 1 : i;
-        dots2(Q + i * D, Q + i1 * D, mt, bias, nb, D, g0, g1);
-        for (int c = 0; c < (i1 == i ? 1 : 2); c++) {
-            const int64_t r = c ? i1 : i;
-            float *gate = c ? g1 : g0;
+    /* six queries at a time (dots_of_rows: 12 accumulators where the blocks fill two vectors) */
+    for (int64_t i = 0; i < N;) {
+        const int64_t rows = N - i < 6 ? N - i : 6;
+        dots_of_rows(Q + i * D, rows, mt, bias, nb, D, gates, nb);
+        for (int64_t c = 0; c < rows; c++) {
+            const int64_t r = i + c;
+            float *gate = gates + c * nb;
             const int64_t own = r / a->block_size;
             /* the own block forced in, unless it holds no real key (its bias is -inf) */
             if (a->own && bias[own] == 0.0f) gate[own] = INFINITY;
             keep_best(a, gate, a->chosen + (g * N + r) * t, a->ok + (g * N + r) * t, best);
         }
+        i += rows;
     }
 }
 
@@ -75,7 +77,7 @@ int block_gate(const Gate *a) {
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *buf = (float *)malloc(sizeof(float) * (a->D * a->blocks + 3 * a->blocks + a->per_query));
+        float *buf = (float *)malloc(sizeof(float) * (a->D * a->blocks + 7 * a->blocks + a->per_query));
         failed |= buf == NULL;
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < a->G; g++)

@@ -1,8 +1,8 @@
 /* Vectorised building blocks shared by the CPU kernels (grouped, landmark, block gate, row products,
  * Top-k attention), at the machine's vector width VW (vec.h): a branch-free e^x, lane-wise max and
- * sum, and the products of two rows at once against a block held in the L1 cache (dots2: across
- * keys of a transposed block; mix2: a weighted sum of rows, of a block or read in place; add_outer:
- * a rank-C gradient update). All static inline: each kernel compiles its own copy. */
+ * sum, and the products of several rows at once against a block held in the L1 cache (dots2, dots6:
+ * across keys of a transposed block; mix2_rows, mix6_rows: weighted sums of rows, of a block or read
+ * in place; add_outer: a rank-C gradient update). All static inline: each kernel compiles its own copy. */
 #ifndef LRA_BLOCKS_H
 #define LRA_BLOCKS_H
 
@@ -83,10 +83,14 @@ static inline float sum_of(const float *x, int64_t n) {
 /* The products of two queries (or d_outs) at once: each block of an expert's buffers is read from
  * the cache once for both: a tile's rows are loaded into an array of vectors, which the compiler
  * keeps in registers and feeds to the FMAs of both (taking a loaded row as an FMA's memory operand
- * instead would load it twice). An FMA has a latency of 4 cycles and two issue a cycle, so 8 independent
- * accumulators keep them busy: the tiles below hold 8 vectors of results in registers at either
- * width (across keys: 4 vectors of each row; across the head dim, 32 floats of each row, as 4
- * vectors at VW 8 and as 2 vectors summed over alternate keys at VW 16).
+ * instead would load it twice). Two FMAs issue a cycle, each with a latency of 4 cycles (Intel) or
+ * 5 (AMD Zen 2), so 8 to 10 independent accumulators keep them busy: the two-row tiles below hold 8
+ * vectors of results in registers at either width (across keys: 4 vectors of each row; across the
+ * head dim, 32 floats of each row, as 4 vectors at VW 8 and as 2 vectors summed over alternate keys
+ * at VW 16); the six-row forms hold 12 (2 vectors of each row; 24 at VW 16 across the head dim),
+ * which AVX2's 16 registers still fit beside the loaded rows (on the AMD EPYC at N = 1K: the
+ * landmark pass 17-23% faster, the grouped backward 18-22%, its forward 5-9%). They sum in the
+ * two-row forms' order, so either gives the same bits.
  * An odd last pair goes through as both halves (the same result written twice). */
 
 /* vectors of each row in dots2's tile across keys */
@@ -125,6 +129,41 @@ static inline void dots2(const float *x0, const float *x1, const float *t, const
         for (int64_t d = 0; d < D; d++) u += x0[d] * t[d * n + j], w += x1[d] * t[d * n + j];
         res0[j] = u, res1[j] = w;
     }
+}
+
+/* dots2 for six rows x[0..6) at once (res[c][j] = init[j] + sum_d x[c][d] t[d * n + j]; the same
+ * sums in the same order, so the same bits): 2 vectors of keys per tile, 12 accumulators */
+static inline void dots6(const float *const x[6], const float *t, const float *init, int64_t n, int64_t D,
+                         float *const res[6]) {
+    int64_t j0 = 0;
+    for (; j0 + 2 * VW <= n; j0 += 2 * VW) {
+        vf a[6][2];
+        const vf i0 = loadv(init + j0), i1 = loadv(init + j0 + VW);
+        for (int c = 0; c < 6; c++) a[c][0] = i0, a[c][1] = i1;
+        for (int64_t d = 0; d < D; d++) {
+            const vf r0 = loadv(t + d * n + j0), r1 = loadv(t + d * n + j0 + VW);
+            for (int c = 0; c < 6; c++) {
+                const vf u = splatv(x[c][d]);
+                a[c][0] += u * r0, a[c][1] += u * r1;
+            }
+        }
+        for (int c = 0; c < 6; c++) storev(res[c] + j0, a[c][0]), storev(res[c] + j0 + VW, a[c][1]);
+    }
+    for (; j0 + VW <= n; j0 += VW) {
+        vf a[6];
+        for (int c = 0; c < 6; c++) a[c] = loadv(init + j0);
+        for (int64_t d = 0; d < D; d++) {
+            const vf r = loadv(t + d * n + j0);
+            for (int c = 0; c < 6; c++) a[c] += splatv(x[c][d]) * r;
+        }
+        for (int c = 0; c < 6; c++) storev(res[c] + j0, a[c]);
+    }
+    for (; j0 < n; j0++)
+        for (int c = 0; c < 6; c++) {
+            float u = init[j0];
+            for (int64_t d = 0; d < D; d++) u += x[c][d] * t[d * n + j0];
+            res[c][j0] = u;
+        }
 }
 
 /* Row j of the rows a mix reads: r + j D of a block r [n][D], or rp[j] of a table of row pointers
@@ -182,6 +221,81 @@ static inline void mix2_rows(const float *w0, const float *w1, const float *r, c
     }
 }
 
+/* mix2_rows for six weight rows w[0..6) at once, into res[0..6) (the same sums in the same order as
+ * mix2_rows, so the same bits): 2 vectors of the head dim per pass, 12 accumulators at VW 8 (24 at
+ * VW 16, alternate keys apart as in mix2_rows). A head dim that is not a whole number of passes goes
+ * through mix2_rows. */
+static inline void mix6_rows(const float *const w[6], const float *r, const float *const *rp, int64_t n, int64_t D,
+                             float *const res[6], int add) {
+    if (D % (2 * VW) != 0 || D % 32 != 0) {
+        for (int c = 0; c < 6; c += 2) mix2_rows(w[c], w[c + 1], r, rp, n, D, res[c], res[c + 1], add);
+        return;
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 2 * VW) {
+        vf a[6][ROW_P][2];
+        for (int c = 0; c < 6; c++)
+            for (int p = 0; p < ROW_P; p++)
+                for (int v = 0; v < 2; v++) a[c][p][v] = p == 0 && add ? loadv(res[c] + d0 + v * VW) : splatv(0.0f);
+        int64_t j = 0;
+        for (; j + ROW_P <= n; j += ROW_P)
+            for (int p = 0; p < ROW_P; p++) {
+                const float *row = row_at(r, rp, j + p, D) + d0;
+                const vf x0 = loadv(row), x1 = loadv(row + VW);
+                for (int c = 0; c < 6; c++) {
+                    const vf u = splatv(w[c][j + p]);
+                    a[c][p][0] += u * x0, a[c][p][1] += u * x1;
+                }
+            }
+        for (; j < n; j++) {
+            const float *row = row_at(r, rp, j, D) + d0;
+            const vf x0 = loadv(row), x1 = loadv(row + VW);
+            for (int c = 0; c < 6; c++) {
+                const vf u = splatv(w[c][j]);
+                a[c][0][0] += u * x0, a[c][0][1] += u * x1;
+            }
+        }
+        for (int c = 0; c < 6; c++) {
+            for (int p = 1; p < ROW_P; p++)
+                for (int v = 0; v < 2; v++) a[c][0][v] += a[c][p][v];
+            storev(res[c] + d0, a[c][0][0]), storev(res[c] + d0 + VW, a[c][0][1]);
+        }
+    }
+}
+
+/* dots over `rows` rows x [rows][D] into res (row c at res + c * stride): six at a time, then two
+ * (an odd last row goes through as both halves) */
+static inline void dots_of_rows(const float *x, int64_t rows, const float *t, const float *init, int64_t n, int64_t D,
+                             float *res, int64_t stride) {
+    int64_t c = 0;
+    for (; c + 6 <= rows; c += 6) {
+        const float *xc[6];
+        float *rc[6];
+        for (int i = 0; i < 6; i++) xc[i] = x + (c + i) * D, rc[i] = res + (c + i) * stride;
+        dots6(xc, t, init, n, D, rc);
+    }
+    for (; c < rows; c += 2) {
+        const int64_t c1 = c + 1 < rows ? c + 1 : c;
+        dots2(x + c * D, x + c1 * D, t, init, n, D, res + c * stride, res + c1 * stride);
+    }
+}
+
+/* mixes of the rows (row_at) by `rows` weight rows w [rows][n] into out row (at ? at[c] : c) of D
+ * floats: six at a time, then two (an odd last row goes through as both halves; with add, once) */
+static inline void mix_weighted(const float *w, int64_t rows, const float *r, const float *const *rp, int64_t n, int64_t D,
+                            float *out, const int64_t *at, int add) {
+    int64_t c = 0;
+    for (; c + 6 <= rows; c += 6) {
+        const float *wc[6];
+        float *rc[6];
+        for (int i = 0; i < 6; i++) wc[i] = w + (c + i) * n, rc[i] = out + (at ? at[c + i] : c + i) * D;
+        mix6_rows(wc, r, rp, n, D, rc, add);
+    }
+    for (; c < rows; c += 2) {
+        const int64_t c1 = c + 1 < rows ? c + 1 : c;
+        mix2_rows(w + c * n, w + c1 * n, r, rp, n, D, out + (at ? at[c] : c) * D, out + (at ? at[c1] : c1) * D, add);
+    }
+}
+
 /* mix2_rows of a block r [n][D] */
 static inline void mix2(const float *w0, const float *w1, const float *r, int64_t n, int64_t D, float *res0,
                         float *res1, int add) {
@@ -232,6 +346,40 @@ static inline void mix_picked(const float *w, const int64_t *idx, const float *t
  * alternate rows c add into separate accumulators (8 in all). */
 static inline void add_outer(const float *w, const float *x, int64_t rows, int64_t n, int64_t D, float *g) {
     int64_t j = 0;
+    if (D % 32 == 0 && D % (2 * VW) == 0) {
+        /* six keys at a time over 2 vectors of the head dim: 12 accumulators (24 at VW 16), each
+         * row of x loaded once for all six; the sums in the order of the two-key loop below */
+        for (; j + 6 <= n; j += 6)
+            for (int64_t d0 = 0; d0 < D; d0 += 2 * VW) {
+                vf a[6][ROW_P][2];
+                for (int k = 0; k < 6; k++)
+                    for (int p = 0; p < ROW_P; p++)
+                        for (int v = 0; v < 2; v++) a[k][p][v] = p == 0 ? loadv(g + (j + k) * D + d0 + v * VW) : splatv(0.0f);
+                int64_t c = 0;
+                for (; c + ROW_P <= rows; c += ROW_P)
+                    for (int p = 0; p < ROW_P; p++) {
+                        const float *row = x + (c + p) * D + d0, *wc = w + (c + p) * n + j;
+                        const vf r0 = loadv(row), r1 = loadv(row + VW);
+                        for (int k = 0; k < 6; k++) {
+                            const vf u = splatv(wc[k]);
+                            a[k][p][0] += u * r0, a[k][p][1] += u * r1;
+                        }
+                    }
+                for (; c < rows; c++) {
+                    const float *row = x + c * D + d0, *wc = w + c * n + j;
+                    const vf r0 = loadv(row), r1 = loadv(row + VW);
+                    for (int k = 0; k < 6; k++) {
+                        const vf u = splatv(wc[k]);
+                        a[k][0][0] += u * r0, a[k][0][1] += u * r1;
+                    }
+                }
+                for (int k = 0; k < 6; k++) {
+                    for (int p = 1; p < ROW_P; p++)
+                        for (int v = 0; v < 2; v++) a[k][0][v] += a[k][p][v];
+                    storev(g + (j + k) * D + d0, a[k][0][0]), storev(g + (j + k) * D + d0 + VW, a[k][0][1]);
+                }
+            }
+    }
     if (D % 32 == 0) {
         for (; j + 2 <= n; j += 2) {
             float *g0 = g + j * D, *g1 = g0 + D;

@@ -110,9 +110,10 @@ static float softmax_exps(float *logits, int64_t n, float *total) {
 /* Up to CHUNK pairs of one expert at a time. Forward: their softmax rows and scaled queries stay in
  * the cache while the products run phase by phase (all the logits against kt, then the softmaxes,
  * then all the mixes of the value rows), so that each phase reads one [n][D] block, not both (at
- * 16K, 14% faster than two pairs through all three steps). Backward: their p, d_logits, scaled
- * queries and output gradients stay in the cache for the expert's rank-C updates (there, phase by
- * phase was 5-8% slower than two pairs at a time: a pair's p is used right after it is made). */
+ * 16K, 14% faster than two pairs through all three steps). Backward: phase by phase too (the
+ * output gradients against vt, then d_logits, then dq's mixes of the key rows), their p, d_logits,
+ * scaled queries and output gradients staying in the cache for the expert's rank-C updates (at 1K,
+ * 9% faster than two pairs through every step, both with the six-row products of blocks.h). */
 #define CHUNK 32
 /* pairs between a kept softmax row's prefetch and its use in the backward */
 #define AHEAD 8
@@ -127,19 +128,12 @@ static void forward_chunk(const Grouped *a, int64_t t0, int64_t rows, int64_t n,
     float top[CHUNK], total[CHUNK];
     for (int64_t c = 0; c < rows; c++)
         for (int64_t d = 0; d < D; d++) qs[c * D + d] = a->q[pair[c] * D + d] * a->scale;
-    /* an odd last row goes through as both halves */
-    for (int64_t c = 0; c < rows; c += 2) {
-        const int64_t c1 = c + 1 < rows ? c + 1 : c;
-        dots2(qs + c * D, qs + c1 * D, kt, bias, n, D, p + c * n, p + c1 * n);
-    }
+    dots_of_rows(qs, rows, kt, bias, n, D, p, n);
     for (int64_t c = 0; c < rows; c++) {
         total[c] = 1.0f;
         top[c] = softmax_exps(p + c * n, n, &total[c]);
     }
-    for (int64_t c = 0; c < rows; c += 2) {
-        const int64_t c1 = c + 1 < rows ? c + 1 : c;
-        mix2_rows(p + c * n, p + c1 * n, vblock, vrows, n, D, a->out + pair[c] * D, a->out + pair[c1] * D, 0);
-    }
+    mix_weighted(p, rows, vblock, vrows, n, D, a->out, pair, 0);
     for (int64_t c = 0; c < rows; c++) {
         float *out = a->out + pair[c] * D;
         const int masked = top[c] == -INFINITY;
@@ -159,45 +153,50 @@ static void forward_chunk(const Grouped *a, int64_t t0, int64_t rows, int64_t n,
     }
 }
 
-/* Rows c0, c1 of the chunk (pairs i0, i1; equal for an odd last pair): p and d_logits [n], scaled q
- * and d_out [D] each; dq written (the expert's n key rows: kblock [n][D] or the pointers krows). A
- * pair whose keys are all masked (lse -inf) gets zero rows and dq 0. */
-static void backward_two(const Grouped *a, const int64_t pair[2], int64_t n, const float *kt, const float *vt,
-                         const float *kblock, const float *const *krows, const float *bias, const float *zeros,
-                         const float *saved[2], float *p[2], float *ds[2], float *qs[2], float *dout[2]) {
+/* Pairs order[t0 .. t0 + rows) of one expert, phase by phase (six rows at a time, then two; an
+ * odd last row goes through as both halves): the scaled queries and output gradients into qs, dout
+ * [CHUNK][D]; the softmax rows into p [CHUNK][n] (copied from probs, kept rows prefetched AHEAD
+ * pairs ahead, or made again from the logits and the saved log-sum-exps); d_logits into ds; dq
+ * written (the expert's n key rows: kblock [n][D] or the pointers krows). A pair whose keys are all
+ * masked (lse -inf) gets zero rows and dq 0. */
+static void backward_chunk(const Grouped *a, int64_t t0, int64_t rows, int64_t n, const float *kt, const float *vt,
+                           const float *kblock, const float *const *krows, const float *bias, const float *zeros,
+                           float *p, float *ds, float *qs, float *dout) {
     const int64_t D = a->D;
-    /* an odd last pair shares its rows with itself: the in-place steps run once */
-    const int count = pair[1] == pair[0] ? 1 : 2;
-    for (int c = 0; c < 2; c++) {
-        for (int64_t d = 0; d < D; d++) qs[c][d] = a->q[pair[c] * D + d] * a->scale;
-        copy_row(dout[c], a->dout + pair[c] * D, D);
+    const int64_t *pair = a->order + t0;
+    for (int64_t c = 0; c < rows; c++) {
+        for (int64_t d = 0; d < D; d++) qs[c * D + d] = a->q[pair[c] * D + d] * a->scale;
+        copy_row(dout + c * D, a->dout + pair[c] * D, D);
+        if (a->probs) {
+            /* the kept softmax rows come from memory (the forward streamed them past the caches):
+             * each is fetched AHEAD pairs ahead, a 64-byte line per 16 floats, across experts */
+            if (t0 + c + AHEAD < a->pairs)
+                for (int64_t j = 0; j < n; j += 16) __builtin_prefetch(a->probs + (t0 + c + AHEAD) * n + j);
+            memcpy(p + c * n, a->probs + (t0 + c) * n, n * sizeof(float));
+        }
     }
-    if (saved[0]) {
-        memcpy(p[0], saved[0], n * sizeof(float));
-        memcpy(p[1], saved[1], n * sizeof(float));
-    } else {
+    if (!a->probs) {
         /* the softmax rows again from the logits and the saved log-sum-exps */
-        dots2(qs[0], qs[1], kt, bias, n, D, p[0], p[1]);
-        for (int c = 0; c < count; c++) {
+        dots_of_rows(qs, rows, kt, bias, n, D, p, n);
+        for (int64_t c = 0; c < rows; c++) {
             const float lse = a->lse[pair[c]];
-            for (int64_t j = 0; j < n; j++) p[c][j] = lse == -INFINITY ? 0.0f : exp_nonpos(p[c][j] - lse);
+            for (int64_t j = 0; j < n; j++) p[c * n + j] = lse == -INFINITY ? 0.0f : exp_nonpos(p[c * n + j] - lse);
         }
     }
     /* d_logits = p (d_out . v + offset) */
-    dots2(dout[0], dout[1], vt, zeros, n, D, ds[0], ds[1]);
-    for (int c = 0; c < count; c++) {
+    dots_of_rows(dout, rows, vt, zeros, n, D, ds, n);
+    for (int64_t c = 0; c < rows; c++) {
         const float offset = a->offset[pair[c]];
-        for (int64_t j = 0; j < n; j++) ds[c][j] = p[c][j] * (ds[c][j] + offset);
+        for (int64_t j = 0; j < n; j++) ds[c * n + j] = p[c * n + j] * (ds[c * n + j] + offset);
     }
-    float *dq0 = a->dq + pair[0] * D, *dq1 = a->dq + pair[1] * D;
-    mix2_rows(ds[0], ds[1], kblock, krows, n, D, dq0, dq1, 0);
-    for (int c = 0; c < count; c++) {
+    mix_weighted(ds, rows, kblock, krows, n, D, a->dq, pair, 0);
+    for (int64_t c = 0; c < rows; c++) {
         float *dq = a->dq + pair[c] * D;
         const int masked = a->lse[pair[c]] == -INFINITY;
         for (int64_t d = 0; d < D; d++) dq[d] = masked ? 0.0f : dq[d] * a->scale;
         if (masked) {
-            memset(p[c], 0, n * sizeof(float));
-            memset(ds[c], 0, n * sizeof(float));
+            memset(p + c * n, 0, n * sizeof(float));
+            memset(ds + c * n, 0, n * sizeof(float));
         }
     }
 }
@@ -274,23 +273,7 @@ static void *run_work(void *arg) {
         memset(dv + M * D, 0, sizeof(float) * S * D);
         for (int64_t t0 = begin; t0 < end; t0 += CHUNK) {
             const int64_t rows = end - t0 < CHUNK ? end - t0 : CHUNK;
-            for (int64_t c = 0; c < rows; c += 2) {
-                /* the kept softmax rows come from memory (the forward streamed them past the
-                 * caches): two rows are fetched AHEAD pairs ahead, a 64-byte line per 16 floats,
-                 * across experts (4-5% of the backward at 1K and 64K on the AMD EPYC) */
-                if (a->probs && t0 + c + AHEAD + 2 <= a->pairs)
-                    for (int64_t j = 0; j < 2 * n; j += 16) __builtin_prefetch(a->probs + (t0 + c + AHEAD) * n + j);
-                const int64_t row[2] = {c, c + 1 < rows ? c + 1 : c};
-                const int64_t pair[2] = {a->order[t0 + row[0]], a->order[t0 + row[1]]};
-                const float *saved[2] = {NULL, NULL};
-                float *pc[2], *dsc[2], *qsc[2], *doutc[2];
-                for (int h = 0; h < 2; h++) {
-                    if (a->probs) saved[h] = a->probs + (t0 + row[h]) * n;
-                    pc[h] = p + row[h] * n, dsc[h] = ds + row[h] * n;
-                    qsc[h] = qs + row[h] * D, doutc[h] = dout + row[h] * D;
-                }
-                backward_two(a, pair, n, kt, vt, block, at, bias, zeros, saved, pc, dsc, qsc, doutc);
-            }
+            backward_chunk(a, t0, rows, n, kt, vt, block, at, bias, zeros, p, ds, qs, dout);
             /* dK += d_logits^T (scale q), dV += p^T d_out over the chunk's pairs */
             add_outer(ds, qs, rows, n, D, dk);
             add_outer(p, dout, rows, n, D, dv);

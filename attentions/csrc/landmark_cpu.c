@@ -66,48 +66,40 @@ static void exps(const float *s, int64_t nb, float shift, float *p) {
     for (int64_t j = 0; j < nb; j++) p[j] = exp_nonpos(s[j] - shift);
 }
 
-/* Head g forward; buf: D BLOCK + 2 BLOCK + 2 m floats. */
+/* Head g forward; buf: D BLOCK + m BLOCK + 2 m floats. */
 static void forward_head(const Landmarks *a, int64_t g, float *buf) {
     const int64_t m = a->m, N = a->N, D = a->D;
     const float *L = a->marks + g * m * D, *K = a->keys + g * N * D, *V = a->values + g * N * D;
     const uint8_t *ok = a->key_ok ? a->key_ok + (g / a->heads) * N : NULL;
     float *S = a->scores + g * m * N, *lse = a->lse + g * m, *out = a->shared + g * m * D;
-    /* p: the block's key bias (0 or -inf) while the scores are made, then two landmarks' exps */
-    float *kt = buf, *p = kt + D * BLOCK, *top = p + 2 * BLOCK, *total = top + m;
+    /* p [m][BLOCK]: the block's key bias (0 or -inf) while the scores are made, then every landmark's exps */
+    float *kt = buf, *p = kt + D * BLOCK, *top = p + m * BLOCK, *total = top + m;
     /* one pass over the keys, a block at a time, with an online softmax: each landmark's running
      * max (the softmax's shift) and its exps' total, its shared values rescaled when the max grows.
-     * Per block two phases, each with one [BLOCK][D] block in L1: the scores of every landmark
-     * against the transposed keys (two landmarks at a time, an odd last one as both), written to S;
-     * then their exps and the values mixed by them, while the block's scores are still in cache
-     * (S is read back by the top-k selection and the backward, not by this pass) */
+     * Per block three phases, each with one [BLOCK][D] block in L1: the scores of every landmark
+     * against the transposed keys, written to S; their exps, while the block's scores are still in
+     * cache (S is read back by the top-k selection and the backward, not by this pass); the values
+     * mixed by them */
     for (int64_t i = 0; i < m; i++) top[i] = -INFINITY, total[i] = 0.0f;
     memset(out, 0, m * D * sizeof(float));
     for (int64_t j0 = 0; j0 < N; j0 += BLOCK) {
         const int64_t nb = N - j0 < BLOCK ? N - j0 : BLOCK;
         transpose_block(K + j0 * D, nb, D, kt);
         key_bias(ok, j0, nb, p);
-        for (int64_t i = 0; i < m; i += 2) {
-            const int64_t i1 = i + 1 < m ? i + 1 : i;
-            dots2(L + i * D, L + i1 * D, kt, p, nb, D, S + i * N + j0, S + i1 * N + j0);
-        }
-        for (int64_t i = 0; i < m; i += 2) {
-            const int64_t i1 = i + 1 < m ? i + 1 : i;
-            float *p0 = p, *p1 = p + (i1 == i ? 0 : BLOCK);
-            for (int c = 0; c < (i1 == i ? 1 : 2); c++) {
-                const int64_t r = c ? i1 : i;
-                const float most = max_of(S + r * N + j0, nb);
-                if (most > top[r]) {
-                    /* e^(old - new): 0 while every key so far was masked (top -inf, out and total 0) */
-                    const float shrink = top[r] == -INFINITY ? 0.0f : exp_nonpos(top[r] - most);
-                    for (int64_t d = 0; d < D; d++) out[r * D + d] *= shrink;
-                    total[r] *= shrink;
-                    top[r] = most;
-                }
-                exps(S + r * N + j0, nb, top[r], c ? p1 : p0);
-                total[r] += sum_of(c ? p1 : p0, nb);
+        dots_of_rows(L, m, kt, p, nb, D, S + j0, N);
+        for (int64_t r = 0; r < m; r++) {
+            const float most = max_of(S + r * N + j0, nb);
+            if (most > top[r]) {
+                /* e^(old - new): 0 while every key so far was masked (top -inf, out and total 0) */
+                const float shrink = top[r] == -INFINITY ? 0.0f : exp_nonpos(top[r] - most);
+                for (int64_t d = 0; d < D; d++) out[r * D + d] *= shrink;
+                total[r] *= shrink;
+                top[r] = most;
             }
-            mix2(p0, p1, V + j0 * D, nb, D, out + i * D, out + i1 * D, 1);
+            exps(S + r * N + j0, nb, top[r], p + r * nb);
+            total[r] += sum_of(p + r * nb, nb);
         }
+        mix_weighted(p, m, V + j0 * D, NULL, nb, D, out, NULL, 1);
     }
     for (int64_t r = 0; r < m; r++) {
         const float inv = top[r] == -INFINITY ? 0.0f : 1.0f / total[r];
@@ -134,19 +126,14 @@ static void backward_head(const Landmarks *a, int64_t g, float *buf) {
     for (int64_t j0 = 0; j0 < N; j0 += BLOCK) {
         const int64_t nb = N - j0 < BLOCK ? N - j0 : BLOCK;
         transpose_block(V + j0 * D, nb, D, vt);
-        for (int64_t i = 0; i < m; i += 2) {
-            const int64_t i1 = i + 1 < m ? i + 1 : i;
-            float *p0 = p + i * nb, *p1 = p + i1 * nb, *ds0 = ds + i * nb, *ds1 = ds + i1 * nb;
-            /* d_scores = p (dV_s . v - delta) */
-            dots2(dout + i * D, dout + i1 * D, vt, zeros, nb, D, ds0, ds1);
-            for (int c = 0; c < (i1 == i ? 1 : 2); c++) {
-                const int64_t r = c ? i1 : i;
-                float *pr = c ? p1 : p0, *dr = c ? ds1 : ds0;
-                exps(S + r * N + j0, nb, lse[r], pr);
-                for (int64_t j = 0; j < nb; j++) dr[j] = pr[j] * (dr[j] - delta[r]);
-            }
-            mix2(ds0, ds1, K + j0 * D, nb, D, dL + i * D, dL + i1 * D, 1);
+        /* d_scores = p (dV_s . v - delta), the exps again from S and lse */
+        dots_of_rows(dout, m, vt, zeros, nb, D, ds, nb);
+        for (int64_t r = 0; r < m; r++) {
+            float *pr = p + r * nb, *dr = ds + r * nb;
+            exps(S + r * N + j0, nb, lse[r], pr);
+            for (int64_t j = 0; j < nb; j++) dr[j] = pr[j] * (dr[j] - delta[r]);
         }
+        mix_weighted(ds, m, K + j0 * D, NULL, nb, D, dL, NULL, 1);
         /* the block's key and value gradients: rank-m updates, written once (or added) */
         if (!a->accumulate) {
             memset(dK + j0 * D, 0, nb * D * sizeof(float));
@@ -240,7 +227,7 @@ static int over_heads(const Job *job, int64_t floats) {
 
 int landmark_forward(const Landmarks *a) {
     const Job job = {a, 0, NULL, NULL, NULL};
-    return over_heads(&job, a->D * BLOCK + 2 * BLOCK + 2 * a->m);
+    return over_heads(&job, a->D * BLOCK + a->m * BLOCK + 2 * a->m);
 }
 
 int landmark_backward(const Landmarks *a) {

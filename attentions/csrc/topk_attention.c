@@ -55,11 +55,7 @@ static void query_block(const TopkAttention *a, int64_t g, int64_t c0, int64_t r
     const float *Q = a->q + (g * a->C + c0) * D, *kt = a->kt + g * D * N;
     const float *bias = a->bias ? a->bias + (g / a->heads) * N : b->zeros;
     for (int64_t i = 0; i < rows * D; i++) b->qs[i] = Q[i] * a->scale;
-    /* an odd last row goes through as both halves */
-    for (int64_t c = 0; c < rows; c += 2) {
-        const int64_t c1 = c + 1 < rows ? c + 1 : c;
-        dots2(b->qs + c * D, b->qs + c1 * D, kt, bias, N, D, b->scores + c * N, b->scores + c1 * N);
-    }
+    dots_of_rows(b->qs, rows, kt, bias, N, D, b->scores, N);
     for (int64_t c = 0; c < rows; c++) {
         const int64_t row = g * a->C + c0 + c;
         int64_t *idx = a->index + row * k;

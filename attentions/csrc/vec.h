@@ -3,14 +3,15 @@
  *
  * vf: VW floats, as wide as the machine the library is built for (-march=native): 16 where AVX-512
  * is there, else 8 (AVX2; two NEON registers on ARM). Defining LRA_NARROW builds the 8-wide form on
- * any machine (the tests build both where AVX-512 is present; attentions/ops/native.py).
+ * any machine, LRA_WIDE the 16-wide form (each vector op then runs as two or four of the machine's
+ * own), so that the tests run both widths wherever they run (attentions/ops/native.py).
  * v8: always 8 floats, for the register transposes of 8 x 8 tiles. */
 #ifndef LRA_VEC_H
 #define LRA_VEC_H
 
 #include <stdint.h>
 
-#if defined(__AVX512F__) && !defined(LRA_NARROW)
+#if (defined(__AVX512F__) || defined(LRA_WIDE)) && !defined(LRA_NARROW)
 #define VW 16
 #else
 #define VW 8

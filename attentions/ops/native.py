@@ -10,8 +10,9 @@ LRA_KERNEL_CACHE sets the cache folder (default ~/.cache/lra-suite/kernels).
 
 The kernels' vectors are as wide as the CPU (csrc/vec.h: 16 floats with AVX-512, else 8; on x86 the
 compiler's own vectorised loops too, ``NATIVE``);
-LRA_KERNEL_WIDTH=8 builds the 8-float form on any machine (cached apart), so that both widths can be
-tested and timed on a machine with AVX-512; ``vector_width`` says which width a library was built with.
+LRA_KERNEL_WIDTH=8 builds the 8-float form on any machine and LRA_KERNEL_WIDTH=16 the 16-float form
+(each cached apart), so that both widths are tested on every machine (and both timed on one with
+AVX-512); ``vector_width`` says which width a library was built with.
 """
 from __future__ import annotations
 
@@ -45,8 +46,10 @@ FALLBACK_FLAGS = [
 # no effect without AVX-512). The flag is x86's own.
 NATIVE = ["-mprefer-vector-width=512"] if platform.machine().lower() in ("x86_64", "amd64") else []
 # LRA_KERNEL_WIDTH: "native" (or unset) builds the machine's width, "8" the 8-float form (whose plain
-# loops keep the compiler's 8-float preference, as on an AVX2 machine)
-WIDTHS = {"": NATIVE, "native": NATIVE, "8": ["-DLRA_NARROW"]}
+# loops keep the compiler's 8-float preference, as on an AVX2 machine), "16" the 16-float form on any
+# machine (each 16-float operation as two or four of the machine's own: for the tests, not for speed;
+# -Wno-psabi: GCC notes that 64-byte vectors pass differently without AVX-512, which no caller sees)
+WIDTHS = {"": NATIVE, "native": NATIVE, "8": ["-DLRA_NARROW"], "16": ["-DLRA_WIDE", "-Wno-psabi"]}
 
 _loaded: Dict[str, Optional[ctypes.CDLL]] = {}
 _why_not: Dict[str, str] = {}
@@ -108,7 +111,7 @@ def load(name: str) -> Optional[ctypes.CDLL]:
         _why_not[name] = f"no C compiler found ({os.environ.get('CC', 'cc')!r} is not on PATH; set CC)"
     elif extra is None:
         _why_not[name] = (f"LRA_KERNEL_WIDTH={os.environ['LRA_KERNEL_WIDTH']!r} is not a width the kernels "
-                          f"build at: use 8 or native")
+                          f"build at: use 8, 16 or native")
     else:
         try:
             # the source, the headers it may include, the compiler, the flags and the CPU

@@ -87,18 +87,21 @@ def test_a_landmark_with_every_key_masked_gives_zeros_not_nan() -> None:
 
 
 @needs_kernel
-def test_routing_matches_argmax_with_ties_and_missing_landmarks() -> None:
+@pytest.mark.parametrize("m", [9, 10, 23])
+def test_routing_matches_argmax_with_ties_and_missing_landmarks(m: int) -> None:
+    # the kernel scores landmarks six, then four, then one at a time: 9, 10 and 23 take each tail
     gen = torch.Generator().manual_seed(0)
-    g, n, m, d = 4, 301, 9, 16
+    g, n, d = 4, 301, 16
     q, marks = torch.randn(g, n, d, generator=gen), torch.randn(g, m, d, generator=gen)
     marks[:, 5] = marks[:, 2]  # a tie between landmarks 2 and 5: the first wins, as in torch.argmax
+    marks[:, m - 1] = marks[:, 3]  # and one across the groups the kernel scores together
     real = torch.rand(g, m, generator=gen) > 0.3
-    real[:, 2] = True
+    real[:, 2] = real[:, 3] = True
     real[3] = False  # a head with no real landmark
     best = route_best(q, marks, real)
     assert torch.equal(best, reference.route_best(q, marks, real))
     assert (best[3] == -1).all()
-    assert (best[:3] != 5).all()
+    assert (best[:3] != 5).all() and (best[:3] != m - 1).all()
     assert torch.equal(route_best(q, marks, None), reference.route_best(q, marks, None))
 
 

@@ -1,0 +1,249 @@
+"""The C kernels of a git revision against the working tree's, on the backends' attention layers, in one process.
+
+Every kernel library (attentions/csrc/*.c) is built twice with the flags the suite builds with
+(attentions/ops/native.py, LRA_KERNEL_WIDTH included): from the revision's sources and from the
+working tree's. Each backend's attention layer, forward and backward (B x H x N x D float32, padded
+rows as in step_compare.py: lengths drawn from N/2..N, the first row N), then runs on one set and
+the other in alternation, A B B A, so that a change of the machine's speed hits both alike; the
+report gives each set's median, the median of the paired ratios (working tree / revision) with
+their quartiles, and whether the two sets give the same output and gradients bit for bit. On a
+noisy machine the paired ratio is the figure to read: step_compare.py's model steps vary by more
+than a kernel change often moves them.
+
+    python scripts/kernel_ab.py --base HEAD~1 --attn mita,moba,topk --lengths 1024,4096 --batch 8 --rounds 40
+
+About 20 s per backend and length at 1K (40 rounds, 2 threads). The Python side is the working
+tree's: a revision whose kernels take other argument blocks (a `typedef struct` of a .c file that
+differs) is refused."""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+# the installed (or PYTHONPATH's) package first; this checkout otherwise
+if importlib.util.find_spec("attentions") is None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from attentions import build_attention, list_attentions  # noqa: E402
+from attentions.ops import native  # noqa: E402
+from lra.machine import describe, git_commit, hardware  # noqa: E402
+from lra.machine.allocator import keep_all_freed_memory  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = "attentions/csrc"
+STRUCT = re.compile(r"typedef struct \{.*?\} \w+;", re.S)
+# a function the library exports: defined at the start of a line, not static
+EXPORTED = re.compile(r"^(?:int|void|float|double|int64_t)\s+\**(\w+)\s*\(", re.M)
+
+
+class Refused(Exception):
+    """Input the script cannot run with: its message is the one line printed."""
+
+
+def git(*args: str) -> str:
+    done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise Refused(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"git {args[0]} failed")
+    return done.stdout
+
+
+def revision_sources(rev: str, into: Path) -> str:
+    """The revision's kernel sources written into ``into``; its full commit hash."""
+    try:
+        commit = git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}").strip()
+    except Refused:
+        raise Refused(f"--base {rev!r} is not a commit of this repository (see `git log`)") from None
+    names = [line for line in git("ls-tree", "--name-only", f"{commit}:{CSRC}").splitlines()
+             if line.endswith((".c", ".h"))]
+    if not names:
+        raise Refused(f"revision {rev} has no kernel sources in {CSRC}")
+    into.mkdir(parents=True)
+    for name in names:
+        (into / name).write_bytes(subprocess.run(["git", "show", f"{commit}:{CSRC}/{name}"], cwd=ROOT,
+                                                 capture_output=True, check=True).stdout)
+    return commit
+
+
+def check_blocks(base: Path, tree: Path, libraries: Sequence[str]) -> None:
+    """Refuse a revision whose kernels the working tree's Python cannot call: other argument blocks,
+    or a function the working tree's library has and the revision's lacks."""
+    for name in libraries:
+        old, new = base / f"{name}.c", tree / f"{name}.c"
+        if not old.exists():
+            raise Refused(f"the revision has no {name}.c: its kernels cannot stand in for the working tree's")
+        old_text, new_text = old.read_text(), new.read_text()
+        if STRUCT.findall(old_text) != STRUCT.findall(new_text):
+            raise Refused(f"{name}.c's argument blocks (typedef struct) differ between the revision and the "
+                          f"working tree: the working tree's Python cannot drive the revision's build")
+        missing = sorted(set(EXPORTED.findall(new_text)) - set(EXPORTED.findall(old_text)))
+        if missing:
+            raise Refused(f"the revision's {name}.c lacks {', '.join(missing)}, which the working tree's Python "
+                          f"calls: pick a later revision")
+
+
+def build(source_dir: Path, out_dir: Path, libraries: Sequence[str]) -> Dict[str, ctypes.CDLL]:
+    """Each library built from source_dir as ops/native.py builds it, loaded."""
+    cc, extra = native.compiler(), native.width_flags()
+    if cc is None:
+        raise Refused(native.why_not("grouped_cpu") or "no C compiler found (set CC)")
+    if extra is None:
+        raise Refused(f"LRA_KERNEL_WIDTH={os.environ.get('LRA_KERNEL_WIDTH')!r} is not a width the kernels build "
+                      f"at: use 8, 16 or native")
+    libs = {}
+    for name in libraries:
+        target = out_dir / f"{name}.so"
+        error = native._build(source_dir / f"{name}.c", cc, target, extra)
+        if error:
+            raise Refused(f"{name}.c does not build from {source_dir}: {error}")
+        libs[name] = ctypes.CDLL(str(target))
+    return libs
+
+
+def use(libs: Dict[str, ctypes.CDLL]) -> None:
+    """The operators call these libraries from now on (ops/native.py's cache of loaded libraries)."""
+    for name, lib in libs.items():
+        native._loaded[name] = lib
+
+
+def layer_step(name: str, n: int, batch: int, heads: int, head_dim: int, seed: int):
+    """One forward and backward of backend ``name``'s layer on a fixed padded batch; returns the
+    step and a function giving its output and gradients."""
+    attn = build_attention(name, num_heads=heads, head_dim=head_dim, max_len=n)
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, heads, n, head_dim, generator=gen).requires_grad_() for _ in range(3))
+    lengths = torch.randint(n // 2, n + 1, (batch,), generator=gen)
+    lengths[0] = n
+    mask = torch.arange(n)[None] < lengths[:, None]
+
+    def results() -> List[torch.Tensor]:
+        out = attn(q, k, v, mask)
+        return [out.detach(), *torch.autograd.grad(out.sum(), (q, k, v))]
+
+    def step() -> None:
+        out = attn(q, k, v, mask)
+        torch.autograd.grad(out.sum(), (q, k, v))
+
+    return step, results
+
+
+def same_results(a: List[torch.Tensor], b: List[torch.Tensor]) -> str:
+    if all(torch.equal(x, y) for x, y in zip(a, b)):
+        return "same bits"
+    return f"max diff {max(float((x - y).abs().max()) for x, y in zip(a, b)):.2e}"
+
+
+def compare(sets: Sequence[Dict[str, ctypes.CDLL]], name: str, n: int, batch: int, heads: int, head_dim: int,
+            rounds: int, seed: int) -> Tuple[List[List[float]], str]:
+    """Times of the layer step per set (A B B A over the rounds) and how the two sets' results compare."""
+    step, results = layer_step(name, n, batch, heads, head_dim, seed)
+    outs = []
+    for libs in sets:
+        use(libs)
+        outs.append(results())
+        step()  # warm
+    times: List[List[float]] = [[] for _ in sets]
+    for r in range(rounds):
+        for i in (range(len(sets)) if r % 2 == 0 else reversed(range(len(sets)))):
+            use(sets[i])
+            start = time.perf_counter()
+            step()
+            times[i].append(time.perf_counter() - start)
+    return times, same_results(outs[0], outs[1])
+
+
+def quartiles(x: Sequence[float]) -> Tuple[float, float, float]:
+    s = sorted(x)
+    return s[len(s) // 4], s[len(s) // 2], s[(3 * len(s)) // 4]
+
+
+def parse_ints(text: str, what: str) -> List[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise Refused(f"--{what} {text!r}: give positive whole numbers, comma-separated (e.g. 1024,4096)")
+    return values
+
+
+def run(argv: Optional[Sequence[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--base", required=True, help="the git revision whose kernels are timed against the working tree's")
+    p.add_argument("--attn", default="mita,moba,topk", help="backends, comma-separated")
+    p.add_argument("--lengths", default="1024", help="sequence lengths, comma-separated")
+    p.add_argument("--batch", default="8", help="batch size")
+    p.add_argument("--heads", default="2")
+    p.add_argument("--head-dim", default="32")
+    p.add_argument("--rounds", default="40", help="timed steps per set (A B B A)")
+    p.add_argument("--threads", default="2")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="also write the times, ratios and the machine as JSON")
+    args = p.parse_args(argv)
+    backends = [b for b in args.attn.split(",") if b]
+    unknown = [b for b in backends if b not in list_attentions()]
+    if unknown or not backends:
+        raise Refused(f"--attn {args.attn!r}: unknown backend(s) {', '.join(unknown) or '(none given)'}; "
+                      f"known: {', '.join(list_attentions())}")
+    lengths = parse_ints(args.lengths, "lengths")
+    (batch,), (heads,), (head_dim,) = (parse_ints(args.batch, "batch"), parse_ints(args.heads, "heads"),
+                                       parse_ints(args.head_dim, "head-dim"))
+    (rounds,), (threads,) = parse_ints(args.rounds, "rounds"), parse_ints(args.threads, "threads")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise Refused(f"--json {args.json}: its folder does not exist")
+    libraries = sorted(path.stem for path in (ROOT / CSRC).glob("*.c"))
+    torch.set_num_threads(threads)
+    keep_all_freed_memory()
+    with tempfile.TemporaryDirectory(prefix="kernel-ab-") as tmp:
+        base_commit = revision_sources(args.base, Path(tmp) / "base")
+        check_blocks(Path(tmp) / "base", ROOT / CSRC, libraries)
+        sets = [build(Path(tmp) / "base", Path(tmp) / "base-build", libraries),
+                build(ROOT / CSRC, Path(tmp) / "tree-build", libraries)]
+        load = os.getloadavg()
+        print(f"| backend | N | base {base_commit[:7]} | working tree | tree / base (quartiles) | results |")
+        print("|---|---:|---:|---:|---:|---|")
+        rows = []
+        for name in backends:
+            for n in lengths:
+                times, same = compare(sets, name, n, batch, heads, head_dim, rounds, args.seed)
+                ratio = quartiles([t / b for t, b in zip(times[1], times[0])])
+                med = [quartiles(t)[1] for t in times]
+                rows.append({"backend": name, "length": n, "median_s": {"base": med[0], "tree": med[1]},
+                             "ratio_quartiles": list(ratio), "results": same})
+                print(f"| {name} | {n} | {med[0] * 1e3:.2f} ms | {med[1] * 1e3:.2f} ms | {ratio[1]:.3f} "
+                      f"({ratio[0]:.3f}-{ratio[2]:.3f}) | {same} |", flush=True)
+    end = os.getloadavg()
+    machine = describe(hardware(torch.device("cpu")))
+    width = native.vector_width("grouped_cpu")
+    print(f"\nlayer forward + backward, batch {batch}, {heads} heads of {head_dim}, float32, {rounds} rounds per set; "
+          f"{machine}; {threads} torch threads, kernels {width} floats wide, torch {torch.__version__}; "
+          f"working tree at {git_commit()}; load average (1 min) {load[0]:.2f} at start, {end[0]:.2f} at end")
+    if args.json:
+        record = {"kind": "kernel_ab", "base": base_commit, "tree": git_commit(), "backends": backends,
+                  "batch": batch, "heads": heads, "head_dim": head_dim, "rounds": rounds, "seed": args.seed,
+                  "machine": machine, "torch_threads": threads, "vector_width": width, "torch": torch.__version__,
+                  "load_average": {"start": [round(x, 2) for x in load], "end": [round(x, 2) for x in end]},
+                  "rows": rows}
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def main() -> None:
+    try:
+        run()
+    except Refused as refused:
+        print(f"kernel_ab: error: {refused}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

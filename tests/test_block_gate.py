@@ -108,3 +108,68 @@ def test_merge_kernel_equals_merge_and_gives_zero_gradients_to_rows_without_expe
     assert torch.equal(got_t, got)
     for g_t, g in zip(torch.autograd.grad((got_t * weight).sum(), [parts_t, lse_t]), got_grads):
         assert torch.equal(g_t.transpose(0, 1), g)
+
+
+@needs_kernel
+@pytest.mark.parametrize("saved", [True, False], ids=["rows-kept", "rows-recomputed"])
+def test_merged_parts_equal_the_grouped_kernel_then_the_merge(saved: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # MoBA's parts on the C kernels with the merge folded into the grouped backward, against the
+    # grouped attention of repeated queries and the merge as separate steps (the C kernels' composed
+    # path, which tests/test_cpu_kernels.py holds to the PyTorch form): queries whose third part has
+    # no block (expert X), masked keys, a block with every key masked (its parts weigh 0)
+    from attentions.ops import tuning
+    from attentions.ops.grouped.cpu import grouped_attention_cpu, merge_cpu
+    from attentions.ops.grouped.merged_cpu import merged_attention_cpu
+
+    if not saved:
+        monkeypatch.setattr(tuning, "SAVE_ELEMENTS", 0)
+    gen = torch.Generator().manual_seed(11)
+    r, parts, x, s, d = 90, 3, 7, 16, 32
+    q = torch.randn(r, d, generator=gen, requires_grad=True)
+    keys, values = (torch.randn(x, s, d, generator=gen, requires_grad=True) for _ in range(2))
+    expert = torch.randint(0, x, (parts, r), generator=gen)
+    expert[2, :30] = x                       # no block in the third part of 30 queries
+    key_ok = torch.rand(x, s, generator=gen) > 0.25
+    key_ok[4] = False                        # a block of padding only
+    weight = torch.randn(r, d, generator=gen)
+    got = merged_attention_cpu(q, expert.flatten(), keys, values, key_ok, 0.2)
+    part_out, lse = grouped_attention_cpu(q.repeat(parts, 1), expert.flatten(), keys, values, key_ok, 0.2, True)
+    want = merge_cpu(part_out.view(parts, r, d), lse.view(parts, r), slot_major=True)
+    assert torch.equal(got, want)
+    got_grads = torch.autograd.grad((got * weight).sum(), [q, keys, values])
+    want_grads = torch.autograd.grad((want * weight).sum(), [q, keys, values])
+    for g, w in zip(got_grads, want_grads):
+        assert rel_err(g, w) < 1e-4
+    assert torch.equal(got_grads[1][4], torch.zeros(s, d)) and torch.equal(got_grads[2][4], torch.zeros(s, d))
+
+
+@needs_kernel
+def test_moba_merges_its_parts_in_the_grouped_backward_and_gives_the_composed_results() -> None:
+    # the backend's CPU path (parts merged inside the kernels' backward) against the same kernels
+    # composed (queries repeated per part, lra::merge_parts and its backward): the same forward bits
+    from attentions.ops.grouped import merged_cpu
+
+    gen = torch.Generator().manual_seed(3)
+    attn = build_attention("moba", num_heads=2, head_dim=16, max_len=200, block_size=32, topk=3)
+    q, k, v = (torch.randn(2, 2, 200, 16, generator=gen, requires_grad=True) for _ in range(3))
+    mask = lengths_mask([200, 131], 200)
+    weight = torch.randn(2, 2, 200, 16, generator=gen)
+    calls = []
+    real = merged_cpu.MergedPartsCPU.apply
+    try:
+        merged_cpu.MergedPartsCPU.apply = lambda *a: calls.append(1) or real(*a)
+        got = attn(q, k, v, mask)
+    finally:
+        merged_cpu.MergedPartsCPU.apply = real
+    assert calls
+    got_grads = torch.autograd.grad((got * weight).sum(), [q, k, v])
+    composed = moba.takes
+    try:
+        moba.takes = lambda x: False
+        want = attn(q, k, v, mask)
+    finally:
+        moba.takes = composed
+    want_grads = torch.autograd.grad((want * weight).sum(), [q, k, v])
+    assert torch.equal(got, want)
+    for g, w in zip(got_grads, want_grads):
+        assert rel_err(g, w) < 1e-5

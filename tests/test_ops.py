@@ -72,6 +72,18 @@ def cases() -> List[Tuple[str, Callable, tuple]]:
                 o, lse, probs = grouped.grouped_forward(*plain)
                 backward = (*plain[:10], o, lse, probs, randn(*o.shape), randn(*lse.shape), *plain[10:])
                 out.append((f"grouped_backward-{label}", grouped.grouped_backward, backward))
+    # a query's parts as pairs p = e R + r (query_rows R = 10: 2 parts of 10 queries), their backward
+    # per pair and with the merge folded in (the merged rows and the merge's weights)
+    args = grouped_inputs(False, True, False, grad=True)
+    parted = (randn(10, 8, grad=True), *args[1:], 10)
+    out.append(("grouped_forward-query_rows", grouped.grouped_forward, parted))
+    plain = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in parted)
+    o, lse, probs = grouped.grouped_forward(*plain)
+    out.append(("grouped_backward-query_rows", grouped.grouped_backward,
+                (*plain[:10], o, lse, probs, randn(*o.shape), randn(*lse.shape), *plain[10:])))
+    merged, weights = grouped.merge_parts(o.view(2, 10, 8), lse.view(2, 10), True)
+    out.append(("grouped_backward-merged", grouped.grouped_backward,
+                (*plain[:10], merged, lse, probs, randn(10, 8), None, *plain[10:], weights)))
     for slot_major in (False, True):
         parts, lse = randn(6, 3, 8, grad=True), randn(6, 3, grad=True)
         if slot_major:
@@ -145,8 +157,11 @@ def test_the_profiler_names_the_operators_of_a_training_step() -> None:
 
     q, k, v = (torch.randn(2, 2, 128, 16, requires_grad=True) for _ in range(3))
     seen = set()
-    for name, options in (("mita", {"landmarks": 8, "topk": 8}), ("moba", {"block_size": 16, "topk": 3}),
-                          ("topk", {"topk": 8})):
+    # MiTA with two experts a query merges its parts by lra::merge_parts (MoBA's merge is folded into
+    # its grouped backward)
+    for name, options in (("mita", {"landmarks": 8, "topk": 8}), ("mita", {"landmarks": 8, "topk": 8,
+                                                                            "experts_per_query": 2}),
+                          ("moba", {"block_size": 16, "topk": 3}), ("topk", {"topk": 8})):
         attn = build_attention(name, num_heads=2, head_dim=16, max_len=128, **options)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             attn(q, k, v).sum().backward()

@@ -23,7 +23,8 @@ from ..base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
 from ..masking import real_key_mask
 from ..ops import block_gate, tuning
 from ..ops.grouped import check_kernel, kernel_name, merge, pick_grouped
-from ..ops.grouped.cpu import grouped_attention_cpu, merge_cpu
+from ..ops.grouped.cpu import grouped_attention_cpu, merge_cpu, takes
+from ..ops.grouped.merged_cpu import merged_attention_cpu
 from ..registry import register
 
 
@@ -156,6 +157,11 @@ class MoBAAttention(Attention):
             real = F.pad(real_key_mask(mask, q), (0, pad)).view(b, 1, blocks, size).expand(b, h, blocks, size)
             block_ok = real.reshape(b * h * blocks, size)
         q_rows = q.reshape(b * h * n, d)
+        if native and per_query > 1 and takes(q):
+            # the C kernel reads each part's query row in place and folds the merge's backward into
+            # its own (ops/grouped/merged_cpu.py)
+            out = merged_attention_cpu(q_rows, expert.flatten(), block_k, block_v, block_ok, 1 / math.sqrt(d))
+            return out.view(b, h, n, d)
         out, lse = grouped_attention(
             q_rows.repeat(per_query, 1) if per_query > 1 else q_rows,  # [topk' B*H*N, D]
             expert.flatten(),

@@ -8,6 +8,10 @@
  * With p = softmax(logits), the backward is
  *     d_logits = p * (d_out . v + offset),  offset = d_lse - d_out . out,
  *     dq = scale d_logits K,  dK = scale d_logits^T q,  dV = p^T d_out.
+ * With query_rows R, pair p is part p / R of query p % R and reads q's row p % R (MoBA: a query's
+ * blocks are separate pairs, merged afterwards); with weights too, the backward takes the merged
+ * d_out and out [R, D] and each part's weight in the merge instead of the parts' d_out and d_lse
+ * (part_weight). dq is a row per pair either way.
  *
  * The products across keys read an expert's keys (forward) or values (backward) from a small
  * transposed copy [D][n] made once per expert, so the inner loops run over contiguous floats and
@@ -26,8 +30,9 @@
 
 typedef struct {
     int64_t experts, S, D, M, group, unit, threads, pairs;
+    int64_t query_rows;      /* R > 0: pair p is part p / R of query p % R (see query_row); 0: a query per pair */
     float scale;
-    const float *q;          /* [P, D] */
+    const float *q;          /* [P, D], or [R, D] with query_rows */
     const int64_t *order;    /* [P] pairs sorted by expert */
     const int64_t *offsets;  /* [X + 1] */
     const float *keys;       /* [R, D] */
@@ -40,8 +45,10 @@ typedef struct {
     float *out;              /* [P, D] forward */
     float *lse;              /* [P] forward; read by the backward */
     float *probs;            /* [P, M + S] softmax rows in sorted pair order, or NULL: recomputed */
-    const float *dout;       /* [P, D] backward */
+    const float *dout;       /* [P, D] backward; [R, D] with weights */
     const float *dlse;       /* [P] backward, the lse's gradient, or NULL: none */
+    const float *weights;    /* [R, P / R] backward with query_rows, or NULL: the parts' weights in their
+                              * queries' merge; then dout and out are the merged rows [R, D] */
     float *offset;           /* [P] backward: d_lse - d_out . out, filled before the pairs run */
     float *dq;               /* [P, D] backward, zeros for pairs with no expert */
     float *dkeys, *dvalues;  /* [R, D] backward, zero-filled by the caller */
@@ -56,6 +63,21 @@ typedef struct {
 
 static inline int64_t key_row(const Grouped *a, int64_t x, int64_t s) {
     return a->rows ? a->rows[x * a->S + s] : x * a->S + s;
+}
+
+/* The row of q (and, with weights, of dout and out) that pair p reads: its query p % R with
+ * query_rows R (MoBA: a query's parts, one per chosen block, are pairs q, q + R, ...), else p. */
+static inline int64_t query_row(const Grouped *a, int64_t p) {
+    return a->query_rows > 0 ? p % a->query_rows : p;
+}
+
+/* With weights, pair p's weight in its query's merge, out = sum_e w_e part_e; the merge's backward
+ * gives the part d_out_e = w_e d_out and d_lse_e = w_e (d_out . part_e - d_out . out), so the pair's
+ * offset (below) is -w_e d_out . out: the part's own output cancels, and the merge's gradient
+ * needs no pass of its own. */
+static inline float part_weight(const Grouped *a, int64_t p) {
+    const int64_t R = a->query_rows, parts = a->pairs / R;
+    return a->weights[(p % R) * parts + p / R];
 }
 
 /* Column block [first, first + count) of the expert buffers from table rows: transposed kt, vt
@@ -127,7 +149,7 @@ static void forward_chunk(const Grouped *a, int64_t t0, int64_t rows, int64_t n,
     const int64_t *pair = a->order + t0;
     float top[CHUNK], total[CHUNK];
     for (int64_t c = 0; c < rows; c++)
-        for (int64_t d = 0; d < D; d++) qs[c * D + d] = a->q[pair[c] * D + d] * a->scale;
+        for (int64_t d = 0; d < D; d++) qs[c * D + d] = a->q[query_row(a, pair[c]) * D + d] * a->scale;
     dots_of_rows(qs, rows, kt, bias, n, D, p, n);
     for (int64_t c = 0; c < rows; c++) {
         total[c] = 1.0f;
@@ -165,8 +187,14 @@ static void backward_chunk(const Grouped *a, int64_t t0, int64_t rows, int64_t n
     const int64_t D = a->D;
     const int64_t *pair = a->order + t0;
     for (int64_t c = 0; c < rows; c++) {
-        for (int64_t d = 0; d < D; d++) qs[c * D + d] = a->q[pair[c] * D + d] * a->scale;
-        copy_row(dout + c * D, a->dout + pair[c] * D, D);
+        const int64_t row = query_row(a, pair[c]);
+        for (int64_t d = 0; d < D; d++) qs[c * D + d] = a->q[row * D + d] * a->scale;
+        if (a->weights) {
+            const float w = part_weight(a, pair[c]);
+            for (int64_t d = 0; d < D; d++) dout[c * D + d] = w * a->dout[row * D + d];
+        } else {
+            copy_row(dout + c * D, a->dout + pair[c] * D, D);
+        }
         if (a->probs) {
             /* the kept softmax rows come from memory (the forward streamed them past the caches):
              * each is fetched AHEAD pairs ahead, a 64-byte line per 16 floats, across experts */
@@ -319,14 +347,16 @@ static int run(const Grouped *a, int backward) {
 int grouped_forward(const Grouped *a) { return run(a, 0); }
 
 /* offset = d_lse - d_out . out for every pair, in row order (streamed: the pairs' own loop reads
- * them in expert order, where a row of out per pair was one more cache miss) */
+ * them in expert order, where a row of out per pair was one more cache miss); with weights,
+ * -w d_out . out of the pair's query (part_weight) */
 static void offsets_of_pairs(const Grouped *a) {
     const int64_t D = a->D, threads = a->threads < 1 ? 1 : a->threads;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < a->pairs; i++) {
-        float t = a->dlse ? a->dlse[i] : 0.0f;
-        for (int64_t d = 0; d < D; d++) t -= a->dout[i * D + d] * a->out[i * D + d];
-        a->offset[i] = t;
+        const int64_t row = a->weights ? query_row(a, i) : i;
+        float t = a->dlse && !a->weights ? a->dlse[i] : 0.0f;
+        for (int64_t d = 0; d < D; d++) t -= a->dout[row * D + d] * a->out[row * D + d];
+        a->offset[i] = a->weights ? part_weight(a, i) * t : t;
     }
 }
 

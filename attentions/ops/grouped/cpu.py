@@ -37,10 +37,11 @@ _f, _i64 = ctypes.c_float, ctypes.c_int64
 class Grouped(ctypes.Structure):
     """The kernel's argument block (``Grouped`` in grouped_cpu.c, field for field)."""
 
-    _fields_ = [(name, _i64) for name in ("experts", "S", "D", "M", "group", "unit", "threads", "pairs")] + [
+    _fields_ = [(name, _i64) for name in ("experts", "S", "D", "M", "group", "unit", "threads", "pairs",
+                                          "query_rows")] + [
         ("scale", _f)] + [(name, ctypes.c_void_p) for name in (
             "q", "order", "offsets", "keys", "values", "rows", "key_ok", "skeys", "svalues", "sok", "out", "lse",
-            "probs", "dout", "dlse", "offset", "dq", "dkeys", "dvalues", "dskeys", "dsvalues")]
+            "probs", "dout", "dlse", "weights", "offset", "dq", "dkeys", "dvalues", "dskeys", "dsvalues")]
 
 
 class Merge(ctypes.Structure):
@@ -131,50 +132,64 @@ def _call(fn_name: str, args: Grouped) -> None:
 
 
 def _block(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets, group, scale,
-           unit) -> Grouped:
+           unit, query_rows) -> Grouped:
     """The kernel's argument block for these inputs (the outputs' pointers are set by the caller)."""
     x, s = rows.shape if rows is not None else keys.shape[:2]
     m = 0 if shared_keys is None else shared_keys.shape[1]
     return Grouped(
         experts=x, S=s, D=q.shape[1], M=m, group=group, unit=unit, threads=torch.get_num_threads(),
-        pairs=q.shape[0], scale=scale,
+        pairs=order.shape[0], query_rows=query_rows, scale=scale,
         q=_ptr(q), order=_ptr(order), offsets=_ptr(offsets), keys=_ptr(keys), values=_ptr(values), rows=_ptr(rows),
         key_ok=_ptr(key_ok), skeys=_ptr(shared_keys), svalues=_ptr(shared_values), sok=_ptr(shared_ok),
     )
 
 
-def _saved_rows(q: torch.Tensor, keys: torch.Tensor, rows: Optional[torch.Tensor],
+def _saved_rows(pairs: int, keys: torch.Tensor, rows: Optional[torch.Tensor],
                 shared_keys: Optional[torch.Tensor]) -> int:
     """Floats per pair of the softmax rows the forward keeps for the backward (M + S), 0 when they do
     not fit in tuning.SAVE_ELEMENTS (the backward then recomputes them)."""
     s = rows.shape[1] if rows is not None else keys.shape[1]
     width = s + (0 if shared_keys is None else shared_keys.shape[1])
-    return width if q.shape[0] * width <= tuning.SAVE_ELEMENTS else 0
+    return width if pairs * width <= tuning.SAVE_ELEMENTS else 0
+
+
+def _check_query_rows(q: torch.Tensor, order: torch.Tensor, query_rows: int) -> None:
+    """With query_rows R, q holds R rows and the pairs are whole multiples of them (part p / R of
+    query p % R)."""
+    if query_rows and (q.shape[0] != query_rows or order.shape[0] % query_rows):
+        raise AttentionError(f"query_rows={query_rows} needs q of {query_rows} rows (got {q.shape[0]}) and a "
+                             f"whole number of parts per query ({order.shape[0]} pairs)")
 
 
 @custom_op("lra::grouped_forward", mutates_args=(), device_types="cpu")
 def grouped_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, shared_keys: Optional[torch.Tensor],
                     shared_values: Optional[torch.Tensor], rows: Optional[torch.Tensor], key_ok: Optional[torch.Tensor],
                     shared_ok: Optional[torch.Tensor], order: torch.Tensor, offsets: torch.Tensor, group: int,
-                    scale: float, unit: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    scale: float, unit: int, query_rows: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's forward on prepared inputs (see ``grouped_attention_cpu``): out [P, D], lse [P] and
-    the softmax rows [P, M + S] kept for the backward ([P, 0] when they do not fit)."""
-    out, lse = torch.empty_like(q), q.new_empty(q.shape[0])  # [P, D], [P]: the kernel writes every pair ...
+    the softmax rows [P, M + S] kept for the backward ([P, 0] when they do not fit). query_rows R > 0:
+    q holds R queries and pair p is part p / R of query p % R (a query's parts are then merged)."""
+    _check_query_rows(q, order, query_rows)
+    pairs = order.shape[0]
+    out, lse = q.new_empty(pairs, q.shape[1]), q.new_empty(pairs)  # [P, D], [P]: the kernel writes every pair ...
     none = order[offsets[-1]:]  # ... in an expert's run; a pair with no expert gets 0 and -inf
     out[none], lse[none] = 0.0, float("-inf")
     # softmax rows in sorted pair order: the kernel writes the rows of the pairs in an expert's run
-    probs = q.new_empty(q.shape[0], _saved_rows(q, keys, rows, shared_keys))
+    probs = q.new_empty(pairs, _saved_rows(pairs, keys, rows, shared_keys))
     probs[offsets[-1]:] = 0.0
     args = _block(q, keys, values, shared_keys, shared_values, rows, _all_true(key_ok), _all_true(shared_ok), order,
-                  offsets, group, scale, unit)
+                  offsets, group, scale, unit, query_rows)
     args.out, args.lse, args.probs = _ptr(out), _ptr(lse), _ptr(probs)
     _call("grouped_forward", args)
     return out, lse, probs
 
 
 @register_fake("lra::grouped_forward")
-def _(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets, group, scale, unit):
-    return torch.empty_like(q), q.new_empty(q.shape[0]), q.new_empty(q.shape[0], _saved_rows(q, keys, rows, shared_keys))
+def _(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets, group, scale, unit,
+      query_rows=0):
+    pairs = order.shape[0]
+    return (q.new_empty(pairs, q.shape[1]), q.new_empty(pairs),
+            q.new_empty(pairs, _saved_rows(pairs, keys, rows, shared_keys)))
 
 
 @custom_op("lra::grouped_backward", mutates_args=(), device_types="cpu")
@@ -182,14 +197,22 @@ def grouped_backward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                      shared_values: Optional[torch.Tensor], rows: Optional[torch.Tensor], key_ok: Optional[torch.Tensor],
                      shared_ok: Optional[torch.Tensor], order: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
                      lse: torch.Tensor, probs: torch.Tensor, d_out: torch.Tensor, d_lse: Optional[torch.Tensor],
-                     group: int, scale: float, unit: int
+                     group: int, scale: float, unit: int, query_rows: int = 0, weights: Optional[torch.Tensor] = None
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's backward of ``grouped_forward`` (given its out, lse and softmax rows; where the
-    rows were not kept it recomputes them from lse): dq, d keys, d values and the shared tables'
-    gradients ([0] without shared tables), new tensors."""
+    rows were not kept it recomputes them from lse): dq [P, D] (a row per pair, also with
+    query_rows), d keys, d values and the shared tables' gradients ([0] without shared tables), new
+    tensors. With query_rows R and ``weights`` [R, P / R] (each part's weight in its query's merge,
+    merge_parts): out and d_out are the merged rows [R, D] and d_lse is not taken, the merge's
+    backward folded into the pairs' (see grouped_cpu.c: part_weight)."""
+    _check_query_rows(q, order, query_rows)
+    if weights is not None and (not query_rows or weights.numel() != order.shape[0]):
+        raise AttentionError("weights need query_rows and one weight per pair")
     d_out = d_out.to(q.dtype).contiguous()
-    d_lse = None if d_lse is None else d_lse.to(q.dtype).contiguous()  # [P]
-    dq = torch.empty_like(q)
+    d_lse = None if d_lse is None or weights is not None else d_lse.to(q.dtype).contiguous()  # [P]
+    weights = None if weights is None else weights.to(q.dtype).contiguous()
+    pairs = order.shape[0]
+    dq = q.new_empty(pairs, q.shape[1])
     # without rows, keys [X, S, D] holds each expert's own keys: the kernel writes every expert's
     # gradient (zeros for one without pairs); with rows, experts share key rows and add into them
     fresh = torch.empty_like if rows is None else torch.zeros_like
@@ -198,11 +221,12 @@ def grouped_backward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     d_shared_values = q.new_empty(0) if shared_values is None else torch.zeros_like(shared_values)
     # pairs with no expert are outside every expert's run: their dq is set here
     dq[order[offsets[-1]:]] = 0.0
-    offset = q.new_empty(q.shape[0])  # [P], filled by the kernel
+    offset = q.new_empty(pairs)  # [P], filled by the kernel
     args = _block(q, keys, values, shared_keys, shared_values, rows, _all_true(key_ok), _all_true(shared_ok), order,
-                  offsets, group, scale, unit)
+                  offsets, group, scale, unit, query_rows)
     args.out, args.lse, args.probs = _ptr(out), _ptr(lse), _ptr(probs)
     args.dout, args.dlse, args.offset, args.dq = _ptr(d_out), _ptr(d_lse), _ptr(offset), _ptr(dq)
+    args.weights = _ptr(weights)
     args.dkeys, args.dvalues = _ptr(d_keys), _ptr(d_values)
     args.dskeys, args.dsvalues = _ptr(d_shared_keys), _ptr(d_shared_values)
     _call("grouped_backward", args)
@@ -211,14 +235,14 @@ def grouped_backward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 @register_fake("lra::grouped_backward")
 def _(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets, out, lse, probs, d_out,
-      d_lse, group, scale, unit):
+      d_lse, group, scale, unit, query_rows=0, weights=None):
     shared = [q.new_empty(0) if t is None else torch.empty_like(t) for t in (shared_keys, shared_values)]
-    return torch.empty_like(q), torch.empty_like(keys), torch.empty_like(values), *shared
+    return q.new_empty(order.shape[0], q.shape[1]), torch.empty_like(keys), torch.empty_like(values), *shared
 
 
 def _grouped_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs[:10], *output)
-    ctx.group, ctx.scale, ctx.unit = inputs[10:]
+    ctx.group, ctx.scale, ctx.unit, ctx.query_rows = (*inputs[10:], 0)[:4]
     # the softmax rows [P, M + S] are kept for the backward only: no gradient flows into them, and
     # autograd makes no zeros for them (nor for an unused lse: the kernel then takes d_lse None)
     ctx.mark_non_differentiable(output[2])
@@ -229,15 +253,17 @@ def _grouped_grad(ctx, d_out: Optional[torch.Tensor], d_lse: Optional[torch.Tens
     q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets, out, lse, probs = (
         ctx.saved_tensors)
     if d_out is None and d_lse is None:
-        return (None,) * 13
+        return (None,) * 14
     if d_out is None:
         d_out = torch.zeros_like(out)
     dq, d_keys, d_values, d_shared_keys, d_shared_values = grouped_backward(
         q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets, out, lse, probs, d_out,
-        d_lse, ctx.group, ctx.scale, ctx.unit)
+        d_lse, ctx.group, ctx.scale, ctx.unit, ctx.query_rows)
+    if ctx.query_rows:
+        dq = dq.view(-1, ctx.query_rows, dq.shape[1]).sum(0)  # a query's parts
     if shared_keys is None:
         d_shared_keys = d_shared_values = None
-    return dq, d_keys, d_values, d_shared_keys, d_shared_values, *[None] * 8
+    return dq, d_keys, d_values, d_shared_keys, d_shared_values, *[None] * 9
 
 
 register_autograd("lra::grouped_forward", _grouped_grad, setup_context=_grouped_setup)

@@ -43,6 +43,7 @@ from lra.machine.allocator import keep_all_freed_memory  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = "attentions/csrc"
 STRUCT = re.compile(r"typedef struct \{.*?\} \w+;", re.S)
+COMMENT = re.compile(r"/\*.*?\*/", re.S)
 # a function the library exports: defined at the start of a line, not static
 EXPORTED = re.compile(r"^(?:int|void|float|double|int64_t)\s+\**(\w+)\s*\(", re.M)
 
@@ -75,6 +76,11 @@ def revision_sources(rev: str, into: Path) -> str:
     return commit
 
 
+def blocks(source: str) -> List[str]:
+    """The argument blocks (typedef structs) of a C source, without comments or layout."""
+    return [" ".join(COMMENT.sub(" ", block).split()) for block in STRUCT.findall(source)]
+
+
 def check_blocks(base: Path, tree: Path, libraries: Sequence[str]) -> None:
     """Refuse a revision whose kernels the working tree's Python cannot call: other argument blocks,
     or a function the working tree's library has and the revision's lacks."""
@@ -83,7 +89,7 @@ def check_blocks(base: Path, tree: Path, libraries: Sequence[str]) -> None:
         if not old.exists():
             raise Refused(f"the revision has no {name}.c: its kernels cannot stand in for the working tree's")
         old_text, new_text = old.read_text(), new.read_text()
-        if STRUCT.findall(old_text) != STRUCT.findall(new_text):
+        if blocks(old_text) != blocks(new_text):
             raise Refused(f"{name}.c's argument blocks (typedef struct) differ between the revision and the "
                           f"working tree: the working tree's Python cannot drive the revision's build")
         missing = sorted(set(EXPORTED.findall(new_text)) - set(EXPORTED.findall(old_text)))

@@ -88,9 +88,9 @@ static inline float sum_of(const float *x, int64_t n) {
  * vectors of results in registers at either width (across keys: 4 vectors of each row; across the
  * head dim, 32 floats of each row, as 4 vectors at VW 8 and as 2 vectors summed over alternate keys
  * at VW 16); the six-row forms hold 12 (2 vectors of each row; 24 at VW 16 across the head dim),
- * which AVX2's 16 registers still fit beside the loaded rows (on the AMD EPYC at N = 1K: the
- * landmark pass 17-23% faster, the grouped backward 18-22%, its forward 5-9%). They sum in the
- * two-row forms' order, so either gives the same bits.
+ * which AVX2's 16 registers still fit beside the loaded rows (on the AMD EPYC at N = 1K, against
+ * the two-row forms: the landmark pass 17-23% faster, the grouped backward 18-22%, its forward
+ * 5-9%). They sum in the two-row forms' order, so either gives the same bits.
  * An odd last pair goes through as both halves (the same result written twice). */
 
 /* vectors of each row in dots2's tile across keys */
@@ -264,8 +264,8 @@ static inline void mix6_rows(const float *const w[6], const float *r, const floa
 
 /* dots over `rows` rows x [rows][D] into res (row c at res + c * stride): six at a time, then two
  * (an odd last row goes through as both halves) */
-static inline void dots_of_rows(const float *x, int64_t rows, const float *t, const float *init, int64_t n, int64_t D,
-                             float *res, int64_t stride) {
+static inline void dots_of_rows(const float *x, int64_t rows, const float *t, const float *init, int64_t n,
+                                int64_t D, float *res, int64_t stride) {
     int64_t c = 0;
     for (; c + 6 <= rows; c += 6) {
         const float *xc[6];
@@ -281,8 +281,8 @@ static inline void dots_of_rows(const float *x, int64_t rows, const float *t, co
 
 /* mixes of the rows (row_at) by `rows` weight rows w [rows][n] into out row (at ? at[c] : c) of D
  * floats: six at a time, then two (an odd last row goes through as both halves; with add, once) */
-static inline void mix_weighted(const float *w, int64_t rows, const float *r, const float *const *rp, int64_t n, int64_t D,
-                            float *out, const int64_t *at, int add) {
+static inline void mix_weighted(const float *w, int64_t rows, const float *r, const float *const *rp, int64_t n,
+                                int64_t D, float *out, const int64_t *at, int add) {
     int64_t c = 0;
     for (; c + 6 <= rows; c += 6) {
         const float *wc[6];
@@ -354,7 +354,8 @@ static inline void add_outer(const float *w, const float *x, int64_t rows, int64
                 vf a[6][ROW_P][2];
                 for (int k = 0; k < 6; k++)
                     for (int p = 0; p < ROW_P; p++)
-                        for (int v = 0; v < 2; v++) a[k][p][v] = p == 0 ? loadv(g + (j + k) * D + d0 + v * VW) : splatv(0.0f);
+                        for (int v = 0; v < 2; v++)
+                            a[k][p][v] = p == 0 ? loadv(g + (j + k) * D + d0 + v * VW) : splatv(0.0f);
                 int64_t c = 0;
                 for (; c + ROW_P <= rows; c += ROW_P)
                     for (int p = 0; p < ROW_P; p++) {

@@ -8,9 +8,9 @@
  * With p = softmax(logits), the backward is
  *     d_logits = p * (d_out . v + offset),  offset = d_lse - d_out . out,
  *     dq = scale d_logits K,  dK = scale d_logits^T q,  dV = p^T d_out.
- * With query_rows R, pair p is part p / R of query p % R and reads q's row p % R (MoBA: a query's
+ * With query_rows Q, pair p is part p / Q of query p % Q and reads q's row p % Q (MoBA: a query's
  * blocks are separate pairs, merged afterwards); with weights too, the backward takes the merged
- * d_out and out [R, D] and each part's weight in the merge instead of the parts' d_out and d_lse
+ * d_out and out [Q, D] and each part's weight in the merge instead of the parts' d_out and d_lse
  * (part_weight). dq is a row per pair either way.
  *
  * The products across keys read an expert's keys (forward) or values (backward) from a small
@@ -30,9 +30,9 @@
 
 typedef struct {
     int64_t experts, S, D, M, group, unit, threads, pairs;
-    int64_t query_rows;      /* R > 0: pair p is part p / R of query p % R (see query_row); 0: a query per pair */
+    int64_t query_rows;      /* Q > 0: pair p is part p / Q of query p % Q (see query_row); 0: a query per pair */
     float scale;
-    const float *q;          /* [P, D], or [R, D] with query_rows */
+    const float *q;          /* [P, D], or [Q, D] with query_rows */
     const int64_t *order;    /* [P] pairs sorted by expert */
     const int64_t *offsets;  /* [X + 1] */
     const float *keys;       /* [R, D] */
@@ -45,10 +45,10 @@ typedef struct {
     float *out;              /* [P, D] forward */
     float *lse;              /* [P] forward; read by the backward */
     float *probs;            /* [P, M + S] softmax rows in sorted pair order, or NULL: recomputed */
-    const float *dout;       /* [P, D] backward; [R, D] with weights */
+    const float *dout;       /* [P, D] backward; [Q, D] with weights */
     const float *dlse;       /* [P] backward, the lse's gradient, or NULL: none */
-    const float *weights;    /* [R, P / R] backward with query_rows, or NULL: the parts' weights in their
-                              * queries' merge; then dout and out are the merged rows [R, D] */
+    const float *weights;    /* [Q, P / Q] backward with query_rows, or NULL: the parts' weights in their
+                              * queries' merge; then dout and out are the merged rows [Q, D] */
     float *offset;           /* [P] backward: d_lse - d_out . out, filled before the pairs run */
     float *dq;               /* [P, D] backward, zeros for pairs with no expert */
     float *dkeys, *dvalues;  /* [R, D] backward, zero-filled by the caller */
@@ -65,8 +65,8 @@ static inline int64_t key_row(const Grouped *a, int64_t x, int64_t s) {
     return a->rows ? a->rows[x * a->S + s] : x * a->S + s;
 }
 
-/* The row of q (and, with weights, of dout and out) that pair p reads: its query p % R with
- * query_rows R (MoBA: a query's parts, one per chosen block, are pairs q, q + R, ...), else p. */
+/* The row of q (and, with weights, of dout and out) that pair p reads: its query p % Q with
+ * query_rows Q (MoBA: a query's parts, one per chosen block, are pairs i, i + Q, ...), else p. */
 static inline int64_t query_row(const Grouped *a, int64_t p) {
     return a->query_rows > 0 ? p % a->query_rows : p;
 }
@@ -76,8 +76,8 @@ static inline int64_t query_row(const Grouped *a, int64_t p) {
  * offset (below) is -w_e d_out . out: the part's own output cancels, and the merge's gradient
  * needs no pass of its own. */
 static inline float part_weight(const Grouped *a, int64_t p) {
-    const int64_t R = a->query_rows, parts = a->pairs / R;
-    return a->weights[(p % R) * parts + p / R];
+    const int64_t Q = a->query_rows, parts = a->pairs / Q;
+    return a->weights[(p % Q) * parts + p / Q];
 }
 
 /* Column block [first, first + count) of the expert buffers from table rows: transposed kt, vt

@@ -3,6 +3,7 @@
 
 reference.py  the PyTorch form (tiles of pairs of one expert; ``merge`` of partial results)
 cpu.py        the C kernel (csrc/grouped_cpu.c) as torch.library operators
+merged_cpu.py MoBA's parts and their merge on that kernel as one autograd Function
 triton_op.py  the Triton form (triton_kernels.py) for CUDA
 dispatch.py   which form a backend's ``kernel`` setting runs, and why a form is refused
 """

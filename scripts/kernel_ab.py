@@ -17,7 +17,6 @@ tree's: a revision whose kernels take other argument blocks (a `typedef struct` 
 differs) is refused."""
 from __future__ import annotations
 
-import argparse
 import ctypes
 import importlib.util
 import json
@@ -37,6 +36,8 @@ if importlib.util.find_spec("attentions") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from attentions import build_attention, list_attentions  # noqa: E402
 from attentions.ops import native  # noqa: E402
+from lra.cli import Parser, console  # noqa: E402
+from lra.errors import UserError  # noqa: E402
 from lra.machine import describe, git_commit, hardware  # noqa: E402
 from lra.machine.allocator import keep_all_freed_memory  # noqa: E402
 
@@ -48,14 +49,10 @@ COMMENT = re.compile(r"/\*.*?\*/", re.S)
 EXPORTED = re.compile(r"^(?:int|void|float|double|int64_t)\s+\**(\w+)\s*\(", re.M)
 
 
-class Refused(Exception):
-    """Input the script cannot run with: its message is the one line printed."""
-
-
 def git(*args: str) -> str:
     done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
-        raise Refused(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"git {args[0]} failed")
+        raise UserError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"git {args[0]} failed")
     return done.stdout
 
 
@@ -63,12 +60,12 @@ def revision_sources(rev: str, into: Path) -> str:
     """The revision's kernel sources written into ``into``; its full commit hash."""
     try:
         commit = git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}").strip()
-    except Refused:
-        raise Refused(f"--base {rev!r} is not a commit of this repository (see `git log`)") from None
+    except UserError:
+        raise UserError(f"--base {rev!r} is not a commit of this repository (see `git log`)") from None
     names = [line for line in git("ls-tree", "--name-only", f"{commit}:{CSRC}").splitlines()
              if line.endswith((".c", ".h"))]
     if not names:
-        raise Refused(f"revision {rev} has no kernel sources in {CSRC}")
+        raise UserError(f"revision {rev} has no kernel sources in {CSRC}")
     into.mkdir(parents=True)
     for name in names:
         (into / name).write_bytes(subprocess.run(["git", "show", f"{commit}:{CSRC}/{name}"], cwd=ROOT,
@@ -87,14 +84,14 @@ def check_blocks(base: Path, tree: Path, libraries: Sequence[str]) -> None:
     for name in libraries:
         old, new = base / f"{name}.c", tree / f"{name}.c"
         if not old.exists():
-            raise Refused(f"the revision has no {name}.c: its kernels cannot stand in for the working tree's")
+            raise UserError(f"the revision has no {name}.c: its kernels cannot stand in for the working tree's")
         old_text, new_text = old.read_text(), new.read_text()
         if blocks(old_text) != blocks(new_text):
-            raise Refused(f"{name}.c's argument blocks (typedef struct) differ between the revision and the "
+            raise UserError(f"{name}.c's argument blocks (typedef struct) differ between the revision and the "
                           f"working tree: the working tree's Python cannot drive the revision's build")
         missing = sorted(set(EXPORTED.findall(new_text)) - set(EXPORTED.findall(old_text)))
         if missing:
-            raise Refused(f"the revision's {name}.c lacks {', '.join(missing)}, which the working tree's Python "
+            raise UserError(f"the revision's {name}.c lacks {', '.join(missing)}, which the working tree's Python "
                           f"calls: pick a later revision")
 
 
@@ -102,16 +99,16 @@ def build(source_dir: Path, out_dir: Path, libraries: Sequence[str]) -> Dict[str
     """Each library built from source_dir as ops/native.py builds it, loaded."""
     cc, extra = native.compiler(), native.width_flags()
     if cc is None:
-        raise Refused(native.why_not("grouped_cpu") or "no C compiler found (set CC)")
+        raise UserError(native.why_not("grouped_cpu") or "no C compiler found (set CC)")
     if extra is None:
-        raise Refused(f"LRA_KERNEL_WIDTH={os.environ.get('LRA_KERNEL_WIDTH')!r} is not a width the kernels build "
+        raise UserError(f"LRA_KERNEL_WIDTH={os.environ.get('LRA_KERNEL_WIDTH')!r} is not a width the kernels build "
                       f"at: use 8, 16 or native")
     libs = {}
     for name in libraries:
         target = out_dir / f"{name}.so"
         error = native._build(source_dir / f"{name}.c", cc, target, extra)
         if error:
-            raise Refused(f"{name}.c does not build from {source_dir}: {error}")
+            raise UserError(f"{name}.c does not build from {source_dir}: {error}")
         libs[name] = ctypes.CDLL(str(target))
     return libs
 
@@ -179,12 +176,12 @@ def parse_ints(text: str, what: str) -> List[int]:
     except ValueError:
         values = []
     if not values or min(values) < 1:
-        raise Refused(f"--{what} {text!r}: give positive whole numbers, comma-separated (e.g. 1024,4096)")
+        raise UserError(f"--{what} {text!r}: give positive whole numbers, comma-separated (e.g. 1024,4096)")
     return values
 
 
-def run(argv: Optional[Sequence[str]] = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run(argv: Optional[List[str]] = None) -> int:
+    p = Parser(prog="kernel_ab", description=__doc__.splitlines()[0])
     p.add_argument("--base", required=True, help="the git revision whose kernels are timed against the working tree's")
     p.add_argument("--attn", default="mita,moba,topk", help="backends, comma-separated")
     p.add_argument("--lengths", default="1024", help="sequence lengths, comma-separated")
@@ -199,14 +196,14 @@ def run(argv: Optional[Sequence[str]] = None) -> None:
     backends = [b for b in args.attn.split(",") if b]
     unknown = [b for b in backends if b not in list_attentions()]
     if unknown or not backends:
-        raise Refused(f"--attn {args.attn!r}: unknown backend(s) {', '.join(unknown) or '(none given)'}; "
+        raise UserError(f"--attn {args.attn!r}: unknown backend(s) {', '.join(unknown) or '(none given)'}; "
                       f"known: {', '.join(list_attentions())}")
     lengths = parse_ints(args.lengths, "lengths")
     (batch,), (heads,), (head_dim,) = (parse_ints(args.batch, "batch"), parse_ints(args.heads, "heads"),
                                        parse_ints(args.head_dim, "head-dim"))
     (rounds,), (threads,) = parse_ints(args.rounds, "rounds"), parse_ints(args.threads, "threads")
     if args.json and not Path(args.json).resolve().parent.is_dir():
-        raise Refused(f"--json {args.json}: its folder does not exist")
+        raise UserError(f"--json {args.json}: its folder does not exist")
     libraries = sorted(path.stem for path in (ROOT / CSRC).glob("*.c"))
     torch.set_num_threads(threads)
     keep_all_freed_memory()
@@ -241,15 +238,8 @@ def run(argv: Optional[Sequence[str]] = None) -> None:
                   "load_average": {"start": [round(x, 2) for x in load], "end": [round(x, 2) for x in end]},
                   "rows": rows}
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
-
-
-def main() -> None:
-    try:
-        run()
-    except Refused as refused:
-        print(f"kernel_ab: error: {refused}", file=sys.stderr)
-        sys.exit(2)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    console("kernel_ab", run)

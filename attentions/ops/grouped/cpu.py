@@ -242,7 +242,7 @@ def _(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, orde
 
 def _grouped_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs[:10], *output)
-    ctx.group, ctx.scale, ctx.unit, ctx.query_rows = (*inputs[10:], 0)[:4]
+    ctx.group, ctx.scale, ctx.unit, ctx.query_rows = inputs[10:]
     # the softmax rows [P, M + S] are kept for the backward only: no gradient flows into them, and
     # autograd makes no zeros for them (nor for an unused lse: the kernel then takes d_lse None)
     ctx.mark_non_differentiable(output[2])

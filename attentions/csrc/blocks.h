@@ -474,4 +474,30 @@ static inline void transpose_rows(const float *const *rows, int64_t count, int64
         for (int64_t d = 0; d < D; d++) t[d * stride + j0] = rows[j0][d];
 }
 
+/* Queries in the vector lanes: 2 VW query rows t0 .. t0 + 2 VW - 1 of Q [N][D] transposed into
+ * qt [D][2 VW] (8 x 8 register tiles), so that one vector op handles a score of 2 VW queries at once;
+ * a short last run (fewer than 2 VW rows left) repeats its last row. */
+static inline void rows_into_lanes(const float *Q, int64_t t0, int64_t N, int64_t D, float *qt) {
+    const int64_t count = N - t0 < 2 * VW ? N - t0 : 2 * VW;
+    const float *rows[2 * VW];
+    for (int64_t l = 0; l < 2 * VW; l++) rows[l] = Q + (t0 + (l < count ? l : count - 1)) * D;
+    for (int h = 0; h < 2 * VW; h += 8) transpose_rows(rows + h, 8, D, qt + h, 2 * VW);
+}
+
+/* Rows j .. j + K - 1 of R [rows][D] scored against the 2 VW queries in the lanes of qt [D][2 VW]:
+ * acc[i][h] lane l = bias[j + i] + sum_d R[(j + i) D + d] qt[d][h VW + l], the sum over d in order
+ * (the bits of one row of dots2). Inlined with a constant K <= 6: 2 K independent FMA chains in
+ * registers, 12 at K = 6 as in the six-row forms above. */
+__attribute__((always_inline)) static inline void lane_scores(int K, int64_t j, const float *R, const float *bias,
+                                                             const float *qt, int64_t D, vf acc[6][2]) {
+    for (int i = 0; i < K; i++) acc[i][0] = acc[i][1] = splatv(bias[j + i]);
+    for (int64_t d = 0; d < D; d++) {
+        const vf x0 = loadv(qt + d * 2 * VW), x1 = loadv(qt + d * 2 * VW + VW);
+        for (int i = 0; i < K; i++) {
+            const vf u = splatv(R[(j + i) * D + d]);
+            acc[i][0] += u * x0, acc[i][1] += u * x1;
+        }
+    }
+}
+
 #endif

@@ -144,21 +144,14 @@ static void backward_head(const Landmarks *a, int64_t g, float *buf) {
     }
 }
 
-/* Landmarks j .. j + K - 1 (bias_j + L_j . q, qt [D][2 VW]: 2 VW queries transposed) against each
- * query's best score so far (top) and its landmark (which), in landmark order: only a strictly
- * greater score replaces the best. Inlined with a constant K: 2 K accumulators in registers. */
+/* Landmarks j .. j + K - 1 (bias_j + L_j . q against 2 VW queries in the lanes of qt, blocks.h's
+ * lane_scores) against each query's best score so far (top) and its landmark (which), in landmark
+ * order: only a strictly greater score replaces the best. Inlined with a constant K. */
 __attribute__((always_inline)) static inline void route_landmarks(int K, int64_t j, const float *L, const float *bias,
                                                                   const float *qt, int64_t D, vf top[2], vfi which[2]) {
     const vfi zero = {0};
     vf acc[6][2];
-    for (int i = 0; i < K; i++) acc[i][0] = acc[i][1] = splatv(bias[j + i]);
-    for (int64_t d = 0; d < D; d++) {
-        const vf x0 = loadv(qt + d * 2 * VW), x1 = loadv(qt + d * 2 * VW + VW);
-        for (int i = 0; i < K; i++) {
-            const vf u = splatv(L[(j + i) * D + d]);
-            acc[i][0] += u * x0, acc[i][1] += u * x1;
-        }
-    }
+    lane_scores(K, j, L, bias, qt, D, acc);
     for (int i = 0; i < K; i++)
         for (int h = 0; h < 2; h++) {
             const vfi more = acc[i][h] > top[h];
@@ -185,10 +178,7 @@ static void route_head(const Landmarks *a, const float *q, const uint8_t *mark_o
     const vfi zero = {0};
     for (int64_t t0 = 0; t0 < N; t0 += 2 * VW) {
         const int64_t count = N - t0 < 2 * VW ? N - t0 : 2 * VW;
-        const float *rows[2 * VW];
-        for (int64_t l = 0; l < 2 * VW; l++) rows[l] = Q + (t0 + (l < count ? l : count - 1)) * D;
-        /* in groups of 8 rows, each an 8 x 8 register tile per 8 dims */
-        for (int h = 0; h < 2 * VW; h += 8) transpose_rows(rows + h, 8, D, qt + h, 2 * VW);
+        rows_into_lanes(Q, t0, N, D, qt);
         vf top[2] = {splatv(-INFINITY), splatv(-INFINITY)};
         vfi which[2] = {zero - 1, zero - 1};
         int64_t j = 0;

@@ -3,8 +3,8 @@
 The PyTorch form (reference.py) makes the [B, H, chunk, blocks] gate tensor, writes +inf at
 each query's own block, masks the empty blocks and runs topk over it; at N = 4K (batch 8) that was
 about a tenth of MoBA's training step, for a choice of one block besides the own one at the
-defaults. The kernel scores a pair of queries against the head's block means at a time and keeps a
-short sorted list instead. Same choice as the PyTorch form (tests/test_block_gate.py); of equal
+defaults. The kernel scores 2 VW queries at a time (VW: the kernels' vector width), one per vector
+lane, against the head's block means and keeps a short sorted list per lane instead. Same choice as the PyTorch form (tests/test_block_gate.py); of equal
 gates the lower block number wins (torch.topk leaves ties unspecified). The kernel is the
 torch.library operator ``lra::block_gate``.
 """

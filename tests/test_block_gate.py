@@ -28,6 +28,7 @@ def chosen_sets(chosen: torch.Tensor, ok: torch.Tensor) -> list:
     (3, 1, 130, 12, 16, 3, False, [130, 40, 1]),  # no own block; all-padding blocks; one real token
     (1, 2, 100, 8, 64, 5, True, None),             # more slots than blocks (2)
     (2, 1, 200, 16, 16, 4, True, [200, 10]),      # a row with fewer real blocks than slots
+    (2, 2, 300, 16, 32, 1, False, [300, 150]),    # one block per query: the best gate alone
 ])
 def test_kernel_chooses_the_blocks_of_the_pytorch_path(b, h, n, d, size, topk, own, lengths) -> None:
     gen = torch.Generator().manual_seed(0)

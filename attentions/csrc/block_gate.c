@@ -50,15 +50,15 @@ __attribute__((always_inline)) static inline void keep_lanes(int64_t t, int64_t 
             const vf b = best[s][h];
             const vfi w = which[s][h], beat = v[h] > b;
             /* beaten: v if it beat none above, else the slot above's entry */
-            const vf in = (vf)((beat_above & (vfi)above) | (~beat_above & (vfi)v[h]));
-            const vfi in_block = (beat_above & above_block) | (~beat_above & block);
-            best[s][h] = (vf)((beat & (vfi)in) | (~beat & (vfi)b));
-            which[s][h] = (beat & in_block) | (~beat & w);
+            const vf in = pickv(beat_above, above, v[h]);
+            const vfi in_block = picki(beat_above, above_block, block);
+            best[s][h] = pickv(beat, in, b);
+            which[s][h] = picki(beat, in_block, w);
             above = b, above_block = w, beat_above = beat;
         }
         if (j < t) {
-            best[j][h] = (vf)((beat_above & (vfi)above) | (~beat_above & (vfi)v[h]));
-            which[j][h] = (beat_above & above_block) | (~beat_above & block);
+            best[j][h] = pickv(beat_above, above, v[h]);
+            which[j][h] = picki(beat_above, above_block, block);
         }
     }
 }
@@ -75,8 +75,7 @@ __attribute__((always_inline)) static inline void gate_blocks(int K, int64_t j, 
     for (int i = 0; i < K; i++) {
         if (force && bias[j + i] == 0.0f)
             for (int h = 0; h < 2; h++) {
-                const vfi own = own_block[h] == zero + (int32_t)(j + i);
-                acc[i][h] = (vf)((own & (vfi)splatv(INFINITY)) | (~own & (vfi)acc[i][h]));
+                acc[i][h] = pickv(own_block[h] == zero + (int32_t)(j + i), splatv(INFINITY), acc[i][h]);
             }
         keep_lanes(t, j + i, acc[i], best, which);
     }

@@ -63,7 +63,7 @@ static inline float max_of(const float *x, int64_t n) {
     for (; j + VW <= n; j += VW) {
         const vf r = loadv(x + j);
         const vfi more = r > lanes;
-        lanes = (vf)((more & (vfi)r) | (~more & (vfi)lanes));
+        lanes = pickv(more, r, lanes);
     }
     float top = -INFINITY;
     for (; j < n; j++) top = x[j] > top ? x[j] : top;

@@ -155,8 +155,8 @@ __attribute__((always_inline)) static inline void route_landmarks(int K, int64_t
     for (int i = 0; i < K; i++)
         for (int h = 0; h < 2; h++) {
             const vfi more = acc[i][h] > top[h];
-            top[h] = (vf)((more & (vfi)acc[i][h]) | (~more & (vfi)top[h]));
-            which[h] = (more & (zero + (int32_t)(j + i))) | (~more & which[h]);
+            top[h] = pickv(more, acc[i][h], top[h]);
+            which[h] = picki(more, zero + (int32_t)(j + i), which[h]);
         }
 }
 

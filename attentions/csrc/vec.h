@@ -33,6 +33,9 @@ int lra_vector_width(void) { return VW; }
 static inline vf loadv(const float *p) { return *(const vfu *)p; }
 static inline void storev(float *p, vf x) { *(vfu *)p = x; }
 static inline vf splatv(float x) { return x - (vf){0}; }
+/* lane by lane, a where mask is set (all bits), else b: a compare's result picking between vectors */
+static inline vf pickv(vfi mask, vf a, vf b) { return (vf)((mask & (vfi)a) | (~mask & (vfi)b)); }
+static inline vfi picki(vfi mask, vfi a, vfi b) { return (mask & a) | (~mask & b); }
 static inline float sumv(vf x) {
     float total = 0.0f;
     for (int l = 0; l < VW; l++) total += x[l];

@@ -9,6 +9,7 @@ import torch
 
 from attentions import build_attention
 from attentions.backends import moba
+from attentions.base import AttentionError
 from attentions.ops import block_gate
 from conftest import lengths_mask, rel_err
 
@@ -45,6 +46,14 @@ def test_kernel_chooses_the_blocks_of_the_pytorch_path(b, h, n, d, size, topk, o
         real = torch.ones(b, n, dtype=torch.bool) if mask is None else mask
         own_real = real[:, (torch.arange(n) // size) * size]  # the block's first key is real iff any is
         assert torch.equal(has_own, own_real[:, None, :].expand(b, h, n))
+
+
+@needs_kernel
+@pytest.mark.parametrize("per_query", [0, 5])
+def test_the_operator_refuses_more_slots_than_blocks_or_none(per_query: int) -> None:
+    q, means = torch.randn(1, 1, 64, 8), torch.randn(1, 1, 4, 8)
+    with pytest.raises(AttentionError, match=f"per_query={per_query} .* 1 to the 4 blocks"):
+        block_gate.cpu.block_gate(q, means, None, 16, per_query, True)
 
 
 @needs_kernel

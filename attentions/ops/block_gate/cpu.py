@@ -16,6 +16,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch.library import custom_op, register_fake
 
+from ...base import AttentionError
 from .. import native
 
 LIBRARY = "block_gate"
@@ -59,6 +60,9 @@ def block_gate(q: torch.Tensor, means: torch.Tensor, empty: Optional[torch.Tenso
     """The kernel on contiguous float32 q [B, H, N, D], means [B, H, blocks, D] and empty [B, blocks] uint8
     or None: chosen blocks [B, H, N, per_query] (best first) and whether each holds a real key."""
     b, h, n, d = q.shape
+    if not 1 <= per_query <= means.shape[2]:
+        raise AttentionError(f"per_query={per_query} blocks per query: the gate keeps 1 to the {means.shape[2]} "
+                             f"blocks there are")
     chosen = torch.empty(b, h, n, per_query, dtype=torch.long)
     ok = torch.empty(b, h, n, per_query, dtype=torch.bool)
     args = Gate(G=b * h, N=n, D=d, blocks=means.shape[2], block_size=block_size, per_query=per_query,

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -180,15 +181,32 @@ def parse_ints(text: str, what: str) -> List[int]:
     return values
 
 
-def run(argv: Optional[List[str]] = None) -> int:
-    p = Parser(prog="kernel_ab", description=__doc__.splitlines()[0])
-    p.add_argument("--base", required=True, help="the git revision whose kernels are timed against the working tree's")
-    p.add_argument("--attn", default="mita,moba,topk", help="backends, comma-separated")
+@dataclass
+class Settings:
+    """What an A/B run times: the backends' layers at each length, and how."""
+
+    base: str
+    backends: List[str]
+    lengths: List[int]
+    batch: int
+    heads: int
+    head_dim: int
+    rounds: int
+    threads: int
+    seed: int
+    json: Optional[str]
+
+
+def settings(prog: str, doc: str, base_help: str, attn: str, rounds: str, argv: Optional[List[str]]) -> Settings:
+    """The command line both A/B scripts take (kernel_ab.py, revision_ab.py), checked."""
+    p = Parser(prog=prog, description=doc.splitlines()[0])
+    p.add_argument("--base", required=True, help=base_help)
+    p.add_argument("--attn", default=attn, help="backends, comma-separated")
     p.add_argument("--lengths", default="1024", help="sequence lengths, comma-separated")
     p.add_argument("--batch", default="8", help="batch size")
     p.add_argument("--heads", default="2")
     p.add_argument("--head-dim", default="32")
-    p.add_argument("--rounds", default="40", help="timed steps per set (A B B A)")
+    p.add_argument("--rounds", default=rounds, help="timed steps per side (A B B A)")
     p.add_argument("--threads", default="2")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write the times, ratios and the machine as JSON")
@@ -197,47 +215,66 @@ def run(argv: Optional[List[str]] = None) -> int:
     unknown = [b for b in backends if b not in list_attentions()]
     if unknown or not backends:
         raise UserError(f"--attn {args.attn!r}: unknown backend(s) {', '.join(unknown) or '(none given)'}; "
-                      f"known: {', '.join(list_attentions())}")
+                        f"known: {', '.join(list_attentions())}")
     lengths = parse_ints(args.lengths, "lengths")
     (batch,), (heads,), (head_dim,) = (parse_ints(args.batch, "batch"), parse_ints(args.heads, "heads"),
                                        parse_ints(args.head_dim, "head-dim"))
-    (rounds,), (threads,) = parse_ints(args.rounds, "rounds"), parse_ints(args.threads, "threads")
+    (rounds_,), (threads,) = parse_ints(args.rounds, "rounds"), parse_ints(args.threads, "threads")
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise UserError(f"--json {args.json}: its folder does not exist")
+    return Settings(args.base, backends, lengths, batch, heads, head_dim, rounds_, threads, args.seed, args.json)
+
+
+class Report:
+    """The A/B table, printed row by row, and the record --json writes."""
+
+    def __init__(self, kind: str, base_commit: str, s: Settings) -> None:
+        self.kind, self.base_commit, self.s, self.rows = kind, base_commit, s, []
+        self.load = os.getloadavg()
+        print(f"| backend | N | base {base_commit[:7]} | working tree | tree / base (quartiles) | results |")
+        print("|---|---:|---:|---:|---:|---|")
+
+    def row(self, name: str, n: int, times: List[List[float]], same: str) -> None:
+        ratio = quartiles([t / b for t, b in zip(times[1], times[0])])
+        med = [quartiles(t)[1] for t in times]
+        self.rows.append({"backend": name, "length": n, "median_s": {"base": med[0], "tree": med[1]},
+                          "ratio_quartiles": list(ratio), "results": same})
+        print(f"| {name} | {n} | {med[0] * 1e3:.2f} ms | {med[1] * 1e3:.2f} ms | {ratio[1]:.3f} "
+              f"({ratio[0]:.3f}-{ratio[2]:.3f}) | {same} |", flush=True)
+
+    def finish(self, how: str, extra: Dict[str, object]) -> None:
+        """The footer (``how``: what ran, after the layer's shape) and the JSON record with ``extra``."""
+        s, end = self.s, os.getloadavg()
+        machine = describe(hardware(torch.device("cpu")))
+        print(f"\nlayer forward + backward, batch {s.batch}, {s.heads} heads of {s.head_dim}, float32, {how}; "
+              f"{machine}; {s.threads} torch threads, torch {torch.__version__}; working tree at {git_commit()}; "
+              f"load average (1 min) {self.load[0]:.2f} at start, {end[0]:.2f} at end")
+        if s.json:
+            record = {"kind": self.kind, "base": self.base_commit, "tree": git_commit(), "backends": s.backends,
+                      "batch": s.batch, "heads": s.heads, "head_dim": s.head_dim, "rounds": s.rounds, "seed": s.seed,
+                      "machine": machine, "torch_threads": s.threads, **extra, "torch": torch.__version__,
+                      "load_average": {"start": [round(x, 2) for x in self.load], "end": [round(x, 2) for x in end]},
+                      "rows": self.rows}
+            Path(s.json).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def run(argv: Optional[List[str]] = None) -> int:
+    s = settings("kernel_ab", __doc__, "the git revision whose kernels are timed against the working tree's",
+                 "mita,moba,topk", "40", argv)
     libraries = sorted(path.stem for path in (ROOT / CSRC).glob("*.c"))
-    torch.set_num_threads(threads)
+    torch.set_num_threads(s.threads)
     keep_all_freed_memory()
     with tempfile.TemporaryDirectory(prefix="kernel-ab-") as tmp:
-        base_commit = revision_sources(args.base, Path(tmp) / "base")
+        base_commit = revision_sources(s.base, Path(tmp) / "base")
         check_blocks(Path(tmp) / "base", ROOT / CSRC, libraries)
         sets = [build(Path(tmp) / "base", Path(tmp) / "base-build", libraries),
                 build(ROOT / CSRC, Path(tmp) / "tree-build", libraries)]
-        load = os.getloadavg()
-        print(f"| backend | N | base {base_commit[:7]} | working tree | tree / base (quartiles) | results |")
-        print("|---|---:|---:|---:|---:|---|")
-        rows = []
-        for name in backends:
-            for n in lengths:
-                times, same = compare(sets, name, n, batch, heads, head_dim, rounds, args.seed)
-                ratio = quartiles([t / b for t, b in zip(times[1], times[0])])
-                med = [quartiles(t)[1] for t in times]
-                rows.append({"backend": name, "length": n, "median_s": {"base": med[0], "tree": med[1]},
-                             "ratio_quartiles": list(ratio), "results": same})
-                print(f"| {name} | {n} | {med[0] * 1e3:.2f} ms | {med[1] * 1e3:.2f} ms | {ratio[1]:.3f} "
-                      f"({ratio[0]:.3f}-{ratio[2]:.3f}) | {same} |", flush=True)
-    end = os.getloadavg()
-    machine = describe(hardware(torch.device("cpu")))
+        report = Report("kernel_ab", base_commit, s)
+        for name in s.backends:
+            for n in s.lengths:
+                report.row(name, n, *compare(sets, name, n, s.batch, s.heads, s.head_dim, s.rounds, s.seed))
     width = native.vector_width("grouped_cpu")
-    print(f"\nlayer forward + backward, batch {batch}, {heads} heads of {head_dim}, float32, {rounds} rounds per set; "
-          f"{machine}; {threads} torch threads, kernels {width} floats wide, torch {torch.__version__}; "
-          f"working tree at {git_commit()}; load average (1 min) {load[0]:.2f} at start, {end[0]:.2f} at end")
-    if args.json:
-        record = {"kind": "kernel_ab", "base": base_commit, "tree": git_commit(), "backends": backends,
-                  "batch": batch, "heads": heads, "head_dim": head_dim, "rounds": rounds, "seed": args.seed,
-                  "machine": machine, "torch_threads": threads, "vector_width": width, "torch": torch.__version__,
-                  "load_average": {"start": [round(x, 2) for x in load], "end": [round(x, 2) for x in end]},
-                  "rows": rows}
-        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+    report.finish(f"{s.rounds} rounds per set, kernels {width} floats wide", {"vector_width": width})
     return 0
 
 

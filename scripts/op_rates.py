@@ -79,6 +79,10 @@ COUNTS: Dict[str, Count] = {
     "landmark_forward": flops_and_elements(lambda a: 4.0 * landmark_sizes(a), lambda a: a[1].numel()),
     "landmark_backward": flops_and_elements(lambda a: 8.0 * landmark_sizes(a), lambda a: a[1].numel()),
     "landmark_backward_add": flops_and_elements(lambda a: 8.0 * landmark_sizes(a), lambda a: a[1].numel()),
+    # MiTA's layer backward: the grouped backward and the landmark pass's (marks [G, m, D], keys [G N, D])
+    "mita_backward": flops_and_elements(
+        lambda a: 8.0 * math.prod(grouped_sizes(a)) + 8.0 * a[3].numel() * (a[1].shape[0] // a[3].shape[0]),
+        lambda a: a[0].numel()),
     # route_order then sorts the queries by expert (no FLOPs)
     "route_best": ROUTING,
     "route_order": ROUTING,

@@ -173,6 +173,25 @@ def test_a_failed_build_is_reported_and_leaves_no_file(monkeypatch: pytest.Monke
     assert list((tmp_path / "cache").iterdir()) == []
 
 
+def test_a_library_built_from_another_kernels_source_is_rebuilt_when_it_changes(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    # mita_layer_cpu.c compiles grouped_cpu.c and landmark_cpu.c in its own unit: their text is in its cache key
+    assert {p.name for p in native.included(native.SOURCES / "mita_layer_cpu.c")} >= {
+        "grouped_cpu.c", "landmark_cpu.c", "blocks.h", "vec.h"}
+    if native.compiler() is None:
+        pytest.skip("no C compiler")
+    (tmp_path / "part.c").write_text("int part(void) { return 1; }\n")
+    (tmp_path / "whole.c").write_text('#include "part.c"\nint whole(void) { return part() + 1; }\n')
+    monkeypatch.setattr(native, "SOURCES", tmp_path)
+    monkeypatch.setenv("LRA_KERNEL_CACHE", str(tmp_path / "cache"))
+    answers = []
+    for value in (1, 5):
+        (tmp_path / "part.c").write_text(f"int part(void) {{ return {value}; }}\n")
+        monkeypatch.setattr(native, "_loaded", {})
+        answers.append(native.load("whole").whole())
+    assert answers == [2, 6] and len(list((tmp_path / "cache").iterdir())) == 2
+
+
 def check_selection(x: torch.Tensor, k: int) -> None:
     """topk_unsorted against torch.topk: the same values chosen, indices that point at them, no repeats,
     and among equal values the lower indices (a stable sort's first k)."""

@@ -40,8 +40,8 @@ def test_the_built_width_follows_the_machine() -> None:
         assert native.vector_width("grouped_cpu") == int(os.environ["LRA_KERNEL_WIDTH"])
     else:
         assert native.vector_width("grouped_cpu") == (16 if has_avx512() else 8)
-    assert {native.vector_width(name) for name in ("landmark_cpu", "sparse_rows", "block_gate", "topk_select",
-                                                   "topk_attention")} == {native.vector_width("grouped_cpu")}
+    assert {native.vector_width(name) for name in ("landmark_cpu", "mita_layer_cpu", "sparse_rows", "block_gate",
+                                                   "topk_select", "topk_attention")} == {native.vector_width("grouped_cpu")}
 
 
 @needs_kernels

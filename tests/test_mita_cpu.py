@@ -1,7 +1,8 @@
 """MiTA's default form as one autograd Function on the CPU kernels (attentions/ops/landmark/mita_layer_cpu.py) against
 the composed path of the same kernels and against ``mita.reference``: outputs and q, k, v gradients,
 with padding, rows shorter than the landmark count, a row with one real token, D not a multiple of
-8, N not a multiple of the key block, and a gradient arriving as a strided view."""
+8, N not a multiple of the key block, and a gradient arriving as a strided view. Its backward
+operator, the grouped and landmark backward head by head, against those two operators in turn."""
 from __future__ import annotations
 
 import pytest
@@ -10,8 +11,10 @@ import torch
 import attentions.backends.mita as mita
 from attentions import build_attention
 from attentions.ops import tuning
+from attentions.ops.grouped import cpu as grouped_cpu
+from attentions.ops.grouped.reference import expert_runs
 from attentions.ops.landmark import cpu as landmark_cpu
-from attentions.ops.landmark.mita_layer_cpu import MiTACPU
+from attentions.ops.landmark.mita_layer_cpu import MiTACPU, mita_backward
 from conftest import lengths_mask, rel_err
 
 needs_kernel = pytest.mark.skipif(bool(landmark_cpu.refusals(torch.zeros(1))),
@@ -81,3 +84,61 @@ def test_fused_path_takes_a_strided_gradient_and_keeps_other_forms_composed(monk
         other = build_attention("mita", num_heads=2, head_dim=16, max_len=130, landmarks=8, topk=8, **options)
         assert other(q, k, v).shape == q.shape
     assert not calls
+
+
+def layer_backward_inputs(masked: bool, b: int = 2, h: int = 2, n: int = 70, d: int = 8, m: int = 3, s: int = 5,
+                          seed: int = 0) -> tuple:
+    """lra::mita_backward's arguments as MiTACPU makes them: G = b h heads of n tokens, m landmarks and
+    experts per head, s keys per expert read by index from the expert's own head, the queries in
+    expert order. masked: the second sequence padded (its last 9 tokens), a few routed keys masked,
+    one landmark missing and the last two queries in no expert."""
+    gen = torch.Generator().manual_seed(seed)
+    g, scale = b * h, d ** -0.5
+    q, k, v = (torch.randn(g * n, d, generator=gen) for _ in range(3))  # [G N, D]; q in expert order
+    marks = torch.randn(g, m, d, generator=gen) * scale  # [G, m, D], the landmarks pre-scaled
+    token_ok = None
+    if masked:
+        token_ok = torch.ones(b, n, dtype=torch.uint8)
+        token_ok[1, -9:] = 0
+    shared, scores, marks_lse = landmark_cpu.landmark_forward(marks, k.view(g, n, d), v.view(g, n, d), token_ok, h)
+    head = torch.arange(g * m) // m  # [G m]
+    rows = torch.stack([torch.randperm(n, generator=gen)[:s] for _ in range(g * m)]) + head[:, None] * n  # [G m, s]
+    key_ok = shared_ok = None
+    if masked:
+        key_ok = (torch.rand(g * m, s, generator=gen) > 0.3).view(torch.uint8)
+        key_ok[:, 0] = 1
+        shared_ok = torch.ones(g, m, dtype=torch.uint8)
+        shared_ok[1, -1] = 0
+    expert = (torch.arange(g * n) // n) * m + torch.randint(0, m, (g * n,), generator=gen)  # [G N]
+    if masked:
+        expert[-2:] = g * m
+    expert = expert.sort().values  # the queries in expert order: pair p is row p
+    order, offsets = expert_runs(expert, g * m)
+    out, lse, probs = grouped_cpu.grouped_forward(q, k, v, marks, shared, rows, key_ok, shared_ok, order, offsets, m,
+                                                  scale, m)
+    d_out = torch.randn(g * n, d, generator=gen)
+    return (q, k, v, marks, shared, rows, key_ok, shared_ok, order, offsets, out, lse, probs, d_out, token_ok, scores,
+            marks_lse, h, scale)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("saved", [True, False], ids=["rows-saved", "rows-recomputed"])
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
+def test_layer_backward_equals_the_grouped_then_the_landmark_backward(monkeypatch, masked, saved, threads) -> None:
+    if not saved:
+        monkeypatch.setattr(tuning, "SAVE_ELEMENTS", 0)
+    torch.set_num_threads(threads)
+    args = layer_backward_inputs(masked)
+    (q, k, v, marks, shared, rows, key_ok, shared_ok, order, offsets, out, lse, probs, d_out, token_ok, scores,
+     marks_lse, h, scale) = args
+    assert probs.shape[1] == (8 if saved else 0)
+    g, m, d = marks.shape
+    dq, dk, dv, d_marks, d_shared = grouped_cpu.grouped_backward(*args[:13], d_out, None, m, scale, m)
+    landmark_cpu.landmark_backward_add(marks, k.view(g, -1, d), v.view(g, -1, d), token_ok, scores, marks_lse, shared,
+                                       d_shared, h, d_marks, dk.view(g, -1, d), dv.view(g, -1, d))
+    got = mita_backward(*args)
+    for name, a, want in zip(("dq", "d keys", "d values", "d marks"), got, (dq, dk, dv, d_marks)):
+        assert torch.equal(a, want), (name, float((a - want).abs().max()))
+    if masked:
+        assert (got[0][-2:] == 0).all()  # pairs with no expert

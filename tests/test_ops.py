@@ -12,10 +12,12 @@ from attentions.ops.block_gate import cpu as gate
 from attentions.ops.grouped import cpu as grouped
 from attentions.ops.grouped.reference import expert_runs
 from attentions.ops.landmark import cpu as landmark
+from attentions.ops.landmark import mita_layer_cpu
 from attentions.ops.row_products import cpu as rows
 from attentions.ops.topk_attention import cpu as topk_attention
 from attentions.ops.topk_selection import cpu as selection
 from lra.model import dropout
+from test_mita_cpu import layer_backward_inputs
 
 needs_kernels = pytest.mark.skipif(not grouped.takes(torch.zeros(0)), reason="the C kernels do not build here")
 
@@ -108,6 +110,9 @@ def cases() -> List[Tuple[str, Callable, tuple]]:
         out.append((f"landmark_backward-masked{int(masked)}", landmark.landmark_backward, backward))
         out.append((f"landmark_backward_add-masked{int(masked)}", landmark.landmark_backward_add,
                     (*backward, randn(4, 3, 8), randn(4, 10, 8), randn(4, 10, 8))))
+    for masked in (False, True):
+        out.append((f"mita_backward-masked{int(masked)}", mita_layer_cpu.mita_backward,
+                    layer_backward_inputs(masked, b=2, h=1, n=20, m=2, s=3)))
     out.append(("route_best", landmark.route_best_op, (randn(4, 10, 8), randn(4, 3, 8), None)))
     out.append(("route_best-masked", landmark.route_best_op,
                 (randn(4, 10, 8), randn(4, 3, 8), torch.tensor([[1, 0, 1]] * 3 + [[0, 0, 0]], dtype=torch.uint8))))
@@ -145,8 +150,8 @@ def test_every_kernel_entry_is_an_operator_in_one_namespace() -> None:
     names = {c[0].split("-")[0] for c in CASES}
     assert names == {"grouped_forward", "grouped_backward", "merge_parts", "merge_parts_backward", "take_rows",
                      "expert_runs", "pool_bins", "pool_bins_backward", "pool_bins_backward_add", "landmark_forward",
-                     "landmark_backward", "landmark_backward_add", "route_best", "route_order", "topk_select",
-                     "topk_attention", "mix_rows", "dot_rows", "scatter_outer", "block_gate", "dropout"}
+                     "landmark_backward", "landmark_backward_add", "mita_backward", "route_best", "route_order",
+                     "topk_select", "topk_attention", "mix_rows", "dot_rows", "scatter_outer", "block_gate", "dropout"}
     for name in names:
         assert hasattr(torch.ops.lra, name), name
 
@@ -167,6 +172,6 @@ def test_the_profiler_names_the_operators_of_a_training_step() -> None:
             attn(q, k, v).sum().backward()
         seen |= {e.key for e in prof.key_averages() if e.key.startswith("lra::")}
     assert {"lra::pool_bins", "lra::landmark_forward", "lra::route_order", "lra::topk_select", "lra::take_rows",
-            "lra::grouped_forward", "lra::grouped_backward", "lra::landmark_backward_add",
+            "lra::grouped_forward", "lra::grouped_backward", "lra::mita_backward",
             "lra::pool_bins_backward_add", "lra::block_gate", "lra::expert_runs", "lra::merge_parts",
             "lra::merge_parts_backward", "lra::topk_attention", "lra::mix_rows", "lra::dot_rows", "lra::scatter_outer"} <= seen, sorted(seen)

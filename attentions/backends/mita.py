@@ -42,6 +42,7 @@ from ..ops.grouped import check_kernel, gather_rows, kernel_name, merge, pick_gr
 from ..ops.grouped.cpu import grouped_attention_cpu, merge_cpu
 from ..ops.landmark import landmark_scores
 from ..ops.landmark.cpu import landmark_pass, pool_queries, route_best
+from ..ops.landmark import mita_layer_cpu
 from ..ops.landmark.mita_layer_cpu import MiTACPU
 from ..ops.topk_selection import topk_unsorted
 from ..registry import register
@@ -315,7 +316,8 @@ class MiTAAttention(Attention):
         grouped_attention = pick_grouped(cfg.kernel, q.device)
         # the C kernels on the CPU: the landmark pass and routing as well as the grouped attention
         native = grouped_attention is grouped_attention_cpu
-        if native and FUSED_CPU and per_query == 1 and cfg.shared_expert and landmark.takes(q):
+        if (native and FUSED_CPU and per_query == 1 and cfg.shared_expert and landmark.takes(q)
+                and not mita_layer_cpu.refusals(q)):
             return MiTACPU.apply(q, k, v, mask, m, keys, top_keys)
         marks, real_marks, index, key_ok, shared_values = build_experts(q, k, v, mask, m, keys, native)
         real_marks = real_marks.repeat_interleave(h, dim=0)  # [B*H, m]

@@ -257,16 +257,19 @@ static void zero_own_rows(const Grouped *a, int64_t x) {
     memset(a->dvalues + x * a->S * a->D, 0, sizeof(float) * a->S * a->D);
 }
 
-static void *run_work(void *arg) {
-    const Work *w = (const Work *)arg;
-    const Grouped *a = w->a;
-    const int64_t S = a->S, M = a->M, D = a->D, n = M + S;
+/* Bytes of the per-thread buffer that run_experts takes (zero-filled: `zeros` below is read, not written). */
+static size_t work_bytes(const Grouped *a) {
+    const int64_t n = a->M + a->S, D = a->D;
     /* kt, vt, dk, dv [n * D]; bias, zeros [n]; p, ds [CHUNK * n]; qs, dout [CHUNK * D] (an even
      * number of floats: the pointers after them are aligned); the mixed rows' pointers [n]; row_of */
     const int64_t floats = 4 * n * D + 2 * n + 2 * CHUNK * n + 2 * CHUNK * D;
-    float *buf = (float *)calloc(1, sizeof(float) * floats + sizeof(float *) * n + sizeof(int64_t) * (S + M + 1));
-    if (!buf) return (void *)1;
-    float *kt = buf, *vt = kt + n * D, *dk = vt + n * D, *dv = dk + n * D;
+    return sizeof(float) * floats + sizeof(float *) * n + sizeof(int64_t) * (n + 1);
+}
+
+/* Experts [first, last), forward or backward, with a zero-filled buffer of work_bytes(a). */
+static void run_experts(const Grouped *a, int64_t first, int64_t last, int backward, void *buffer) {
+    const int64_t S = a->S, M = a->M, D = a->D, n = M + S;
+    float *kt = (float *)buffer, *vt = kt + n * D, *dk = vt + n * D, *dv = dk + n * D;
     float *bias = dv + n * D, *zeros = bias + n, *p = zeros + n, *ds = p + CHUNK * n;
     float *qs = ds + CHUNK * n, *dout = qs + CHUNK * D;
     const float **mixed = (const float **)(dout + CHUNK * D);
@@ -275,18 +278,18 @@ static void *run_work(void *arg) {
      * group and go to the shared tables once per group: per expert, zeroing and adding back M rows
      * cost as much as the expert's own S rows (at N = 1K, an expert has ~16 queries) */
     int64_t group_loaded = -1, group_summed = -1;
-    for (int64_t x = w->first; x < w->last; x++) {
+    for (int64_t x = first; x < last; x++) {
         const int64_t begin = a->offsets[x], end = a->offsets[x + 1];
         if (begin == end) {
-            if (w->backward && !a->rows) zero_own_rows(a, x);
+            if (backward && !a->rows) zero_own_rows(a, x);
             continue;
         }
-        load_expert(a, x, w->backward, &group_loaded, row_of, w->backward && a->probs ? NULL : kt,
-                    w->backward ? vt : NULL, mixed, bias);
+        load_expert(a, x, backward, &group_loaded, row_of, backward && a->probs ? NULL : kt, backward ? vt : NULL,
+                    mixed, bias);
         /* an expert whose keys are its own rows and no shared ones mixes its rows as one block */
-        const float *block = !a->rows && M == 0 ? (w->backward ? a->keys : a->values) + x * S * D : NULL;
+        const float *block = !a->rows && M == 0 ? (backward ? a->keys : a->values) + x * S * D : NULL;
         const float *const *at = block ? NULL : mixed;
-        if (!w->backward) {
+        if (!backward) {
             for (int64_t t0 = begin; t0 < end; t0 += CHUNK)
                 forward_chunk(a, t0, end - t0 < CHUNK ? end - t0 : CHUNK, n, kt, block, at, bias, p, qs);
             continue;
@@ -310,8 +313,15 @@ static void *run_work(void *arg) {
         store_gradients(a, x / a->group, row_of, dk, dv, M, n);
     }
     if (group_summed >= 0) store_gradients(a, group_summed, row_of, dk, dv, 0, M);
+}
+
+static void *run_work(void *arg) {
+    const Work *w = (const Work *)arg;
+    void *buffer = calloc(1, work_bytes(w->a));
+    if (!buffer) return (void *)1;
+    run_experts(w->a, w->first, w->last, w->backward, buffer);
     stream_fence();
-    free(buf);
+    free(buffer);
     return NULL;
 }
 

@@ -20,6 +20,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -50,6 +51,9 @@ NATIVE = ["-mprefer-vector-width=512"] if platform.machine().lower() in ("x86_64
 # machine (each 16-float operation as two or four of the machine's own: for the tests, not for speed;
 # -Wno-psabi: GCC notes that 64-byte vectors pass differently without AVX-512, which no caller sees)
 WIDTHS = {"": NATIVE, "native": NATIVE, "8": ["-DLRA_NARROW"], "16": ["-DLRA_WIDE", "-Wno-psabi"]}
+
+# a source's own #include of another kernel's source
+INCLUDED_SOURCE = re.compile(r'^#include "([\w.-]+\.c)"', re.M)
 
 _loaded: Dict[str, Optional[ctypes.CDLL]] = {}
 _why_not: Dict[str, str] = {}
@@ -98,6 +102,13 @@ def _build(source: Path, cc: str, target: Path, extra: List[str]) -> str:
     return "; ".join(errors)
 
 
+def included(source: Path) -> List[Path]:
+    """The files ``source`` may include: every header beside it, and the sources it names in an
+    ``#include "<name>.c"`` line (a library compiled from other kernels' sources in one unit)."""
+    sources = sorted({source.parent / name for name in INCLUDED_SOURCE.findall(source.read_text())})
+    return [*sorted(source.parent.glob("*.h")), *sources]
+
+
 def load(name: str) -> Optional[ctypes.CDLL]:
     """The library built from ``<name>.c`` in SOURCES, or None when it cannot be built here."""
     if name in _loaded:
@@ -114,8 +125,8 @@ def load(name: str) -> Optional[ctypes.CDLL]:
                           f"build at: use 8, 16 or native")
     else:
         try:
-            # the source, the headers it may include, the compiler, the flags and the CPU
-            text = b"".join(path.read_bytes() for path in [source, *sorted(folder.glob("*.h"))])
+            # the source, the headers and sources it may include, the compiler, the flags and the CPU
+            text = b"".join(path.read_bytes() for path in [source, *included(source)])
             key = hashlib.sha256(text + " ".join([cc, *FLAGS, *extra, cpu_identity()]).encode()).hexdigest()[:16]
             target = cache_dir() / f"{name}-{key}.so"
             error = "" if target.exists() else _build(source, cc, target, extra)

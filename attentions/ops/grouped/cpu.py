@@ -131,16 +131,18 @@ def _call(fn_name: str, args: Grouped) -> None:
         raise MemoryError("the grouped CPU kernel could not allocate its per-thread buffers")
 
 
-def _block(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets, group, scale,
-           unit, query_rows) -> Grouped:
-    """The kernel's argument block for these inputs (the outputs' pointers are set by the caller)."""
+def grouped_block(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets, group, scale,
+                  unit, query_rows) -> Grouped:
+    """The kernel's argument block for these inputs (the outputs' pointers are set by the caller); a
+    key mask that is all True is left out (no masking)."""
     x, s = rows.shape if rows is not None else keys.shape[:2]
     m = 0 if shared_keys is None else shared_keys.shape[1]
     return Grouped(
         experts=x, S=s, D=q.shape[1], M=m, group=group, unit=unit, threads=torch.get_num_threads(),
         pairs=order.shape[0], query_rows=query_rows, scale=scale,
         q=_ptr(q), order=_ptr(order), offsets=_ptr(offsets), keys=_ptr(keys), values=_ptr(values), rows=_ptr(rows),
-        key_ok=_ptr(key_ok), skeys=_ptr(shared_keys), svalues=_ptr(shared_values), sok=_ptr(shared_ok),
+        key_ok=_ptr(_all_true(key_ok)), skeys=_ptr(shared_keys), svalues=_ptr(shared_values),
+        sok=_ptr(_all_true(shared_ok)),
     )
 
 
@@ -177,8 +179,8 @@ def grouped_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     # softmax rows in sorted pair order: the kernel writes the rows of the pairs in an expert's run
     probs = q.new_empty(pairs, _saved_rows(pairs, keys, rows, shared_keys))
     probs[offsets[-1]:] = 0.0
-    args = _block(q, keys, values, shared_keys, shared_values, rows, _all_true(key_ok), _all_true(shared_ok), order,
-                  offsets, group, scale, unit, query_rows)
+    args = grouped_block(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets,
+                         group, scale, unit, query_rows)
     args.out, args.lse, args.probs = _ptr(out), _ptr(lse), _ptr(probs)
     _call("grouped_forward", args)
     return out, lse, probs
@@ -222,8 +224,8 @@ def grouped_backward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     # pairs with no expert are outside every expert's run: their dq is set here
     dq[order[offsets[-1]:]] = 0.0
     offset = q.new_empty(pairs)  # [P], filled by the kernel
-    args = _block(q, keys, values, shared_keys, shared_values, rows, _all_true(key_ok), _all_true(shared_ok), order,
-                  offsets, group, scale, unit, query_rows)
+    args = grouped_block(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets,
+                         group, scale, unit, query_rows)
     args.out, args.lse, args.probs = _ptr(out), _ptr(lse), _ptr(probs)
     args.dout, args.dlse, args.offset, args.dq = _ptr(d_out), _ptr(d_lse), _ptr(offset), _ptr(dq)
     args.weights = _ptr(weights)

@@ -161,7 +161,8 @@ def pool_queries(q: torch.Tensor, mask: Optional[torch.Tensor], bins: int) -> Tu
     return pooled.view(b, h, bins, d), real
 
 
-def _landmark_block(marks, keys, values, key_ok, heads: int) -> Landmarks:
+def landmark_block(marks, keys, values, key_ok, heads: int) -> Landmarks:
+    """The kernel's argument block for these inputs (the outputs' pointers are set by the caller)."""
     g, m, d = marks.shape
     return Landmarks(G=g, m=m, N=keys.shape[1], D=d, heads=heads, threads=torch.get_num_threads(), marks=_ptr(marks),
                      keys=_ptr(keys), values=_ptr(values), key_ok=_ptr(key_ok))
@@ -176,7 +177,7 @@ def landmark_forward(marks: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     g, m, d = marks.shape
     n = keys.shape[1]
     scores, lse, shared = marks.new_empty(g, m, n), marks.new_empty(g, m), marks.new_empty(g, m, d)
-    args = _landmark_block(marks, keys, values, key_ok, heads)
+    args = landmark_block(marks, keys, values, key_ok, heads)
     args.scores, args.lse, args.shared = _ptr(scores), _ptr(lse), _ptr(shared)
     _check(library().landmark_forward(ctypes.byref(args)))
     return shared, scores, lse
@@ -189,7 +190,7 @@ def _(marks, keys, values, key_ok, heads):
 
 
 def _landmark_backward(marks, keys, values, key_ok, scores, lse, shared, d_shared, heads, grads, accumulate) -> None:
-    args = _landmark_block(marks, keys, values, key_ok, heads)
+    args = landmark_block(marks, keys, values, key_ok, heads)
     args.scores, args.lse, args.shared, args.accumulate = _ptr(scores), _ptr(lse), _ptr(shared), int(accumulate)
     # (named: the tensor a pointer is taken of must outlive the call)
     d_shared = d_shared.to(torch.float32).contiguous()

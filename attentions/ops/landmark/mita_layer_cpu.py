@@ -7,19 +7,90 @@ whole (no graph break) and the profiler names each kernel.
 Composed of separate Functions, the backward would make each stage's q, k, v gradients as new
 tensors for autograd to add: at N = 64K (B = 1, H = 4, D = 32) three [G, N, D] additions, three new
 [G, N, D] tensors and a zero [G, m, N] gradient for the scores, about 15% of the step. Here the
-grouped kernel's gradients are the buffers: the landmark pass adds its key, value and landmark
-gradients into them and the pooling adds its query gradient into dq (the ``*_add`` operators).
-tests/test_mita_cpu.py checks it against the composed path and ``mita.reference``.
+grouped attention's gradients are the buffers, and the landmark pass adds its key, value and
+landmark gradients into them in the same kernel call (``lra::mita_backward``, csrc/mita_layer_cpu.c:
+a thread takes a head through both passes while its rows are in the cache, the same bits as the
+two operators ``lra::grouped_backward`` and ``lra::landmark_backward_add`` in turn); the pooling
+adds its query gradient into dq. tests/test_mita_cpu.py checks it against the composed path,
+``mita.reference`` and the two operators.
 """
 from __future__ import annotations
 
+import ctypes
 import math
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
+from torch.library import custom_op, register_fake
 
-from ..grouped.cpu import grouped_backward, grouped_forward, take_rows
-from .cpu import kernel_bins, landmark_backward_add, landmark_forward, pool_bins, pool_bins_backward_add, route_order
+from .. import native
+from ..grouped.cpu import Grouped, grouped_block, grouped_forward, take_rows
+from .cpu import Landmarks, kernel_bins, landmark_block, landmark_forward, pool_bins, pool_bins_backward_add, route_order
+
+LIBRARY = "mita_layer_cpu"
+
+
+def library() -> Optional[ctypes.CDLL]:
+    lib = native.load(LIBRARY)
+    if lib is not None and not hasattr(lib, "_typed"):
+        lib.mita_backward.argtypes = [ctypes.POINTER(Grouped), ctypes.POINTER(Landmarks)]
+        lib.mita_backward.restype = ctypes.c_int
+        lib._typed = True
+    return lib
+
+
+def refusals(q: torch.Tensor) -> List[str]:
+    """Why the layer's kernels do not take tensors like ``q`` (float32 CPU tensors, once built here); []
+    when they do."""
+    return native.refusals(q, LIBRARY)
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None or t.numel() == 0 else t.data_ptr()
+
+
+@custom_op("lra::mita_backward", mutates_args=(), device_types="cpu")
+def mita_backward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, marks: torch.Tensor,
+                  shared_values: torch.Tensor, rows: torch.Tensor, key_ok: Optional[torch.Tensor],
+                  shared_ok: Optional[torch.Tensor], order: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, probs: torch.Tensor, d_out: torch.Tensor, token_ok: Optional[torch.Tensor],
+                  scores: torch.Tensor, marks_lse: torch.Tensor, heads: int, scale: float
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of MiTA's grouped attention and landmark pass, head by head: ``lra::grouped_backward``
+    of the first ten arguments (G m experts over the [G N, D] keys and values by ``rows``, the pre-scaled
+    landmarks ``marks`` [G, m, D] and ``shared_values`` as each head's shared tables, a group and a
+    thread unit of m experts; its out, lse, softmax rows and d_out) followed by
+    ``lra::landmark_backward_add`` of the landmark pass (token_ok [G / heads, N] or None, its scores
+    [G, m, N] and log-sum-exps [G, m]) into its gradients. Returns dq [P, D] (a row per pair), d keys,
+    d values [G N, D] and d marks [G, m, D], new tensors."""
+    g, m, d = marks.shape
+    n = keys.shape[0] // g
+    pairs = order.shape[0]
+    dq, offset = q.new_empty(pairs, d), q.new_empty(pairs)  # offset [P]: filled by the kernel
+    d_keys, d_values, d_marks, d_shared = (torch.empty_like(t) for t in (keys, values, marks, shared_values))
+    dq[order[offsets[-1]:]] = 0.0  # pairs with no expert are outside every expert's run
+    d_out = d_out.contiguous()
+    pass_ = grouped_block(q, keys, values, marks, shared_values, rows, key_ok, shared_ok, order, offsets, m, scale,
+                          m, 0)
+    pass_.out, pass_.lse, pass_.probs = _ptr(out), _ptr(lse), _ptr(probs)
+    pass_.dout, pass_.offset, pass_.dq = _ptr(d_out), _ptr(offset), _ptr(dq)
+    pass_.dkeys, pass_.dvalues, pass_.dskeys, pass_.dsvalues = _ptr(d_keys), _ptr(d_values), _ptr(d_marks), _ptr(
+        d_shared)
+    marks_pass = landmark_block(marks, keys.view(g, n, d), values.view(g, n, d), token_ok, heads)
+    marks_pass.scores, marks_pass.lse, marks_pass.shared, marks_pass.accumulate = (
+        _ptr(scores), _ptr(marks_lse), _ptr(shared_values), 1)
+    marks_pass.dshared, marks_pass.dmarks, marks_pass.dkeys, marks_pass.dvalues = (
+        _ptr(d_shared), _ptr(d_marks), _ptr(d_keys), _ptr(d_values))
+    if library().mita_backward(ctypes.byref(pass_), ctypes.byref(marks_pass)) != 0:
+        raise MemoryError("the MiTA layer's CPU kernel could not allocate its per-thread buffers")
+    return dq, d_keys, d_values, d_marks
+
+
+@register_fake("lra::mita_backward")
+def _(q, keys, values, marks, shared_values, rows, key_ok, shared_ok, order, offsets, out, lse, probs, d_out,
+      token_ok, scores, marks_lse, heads, scale):
+    return q.new_empty(order.shape[0], q.shape[1]), torch.empty_like(keys), torch.empty_like(values), torch.empty_like(
+        marks)
 
 
 class MiTACPU(torch.autograd.Function):
@@ -61,25 +132,23 @@ class MiTACPU(torch.autograd.Function):
                    in_order, offsets)
         out_sorted, lse, probs = grouped_forward(*grouped, m, scale, m)
         out = take_rows(out_sorted, inverse)
-        ctx.save_for_backward(*grouped, out_sorted, lse, probs, order, inverse, starts, ends, mask_bytes, k_rows,
-                              v_rows, scores, landmark_lse)
+        ctx.save_for_backward(*grouped, out_sorted, lse, probs, order, inverse, starts, ends, mask_bytes, scores,
+                              landmark_lse)
         ctx.dims, ctx.scale, ctx.landmarks = (b, h, n, d), scale, m
         return out.view(b, h, n, d)
 
     @staticmethod
     def backward(ctx, d_out: torch.Tensor):
-        (*grouped, out_sorted, lse, probs, order, inverse, starts, ends, mask_bytes, k_rows, v_rows, scores,
+        (*grouped, out_sorted, lse, probs, order, inverse, starts, ends, mask_bytes, scores,
          landmark_lse) = ctx.saved_tensors
         b, h, n, d = ctx.dims
-        g, m = b * h, ctx.landmarks
-        scaled, shared_values = grouped[3], grouped[4]
-        # the grouped attention's gradients, new tensors: dq, dk, dv [G N, D], d scaled, d shared values [G, m, D]
+        g = b * h
+        # the grouped attention's and the landmark pass's gradients: dq [G N, D] in expert order, dk, dv
+        # [G N, D], d scaled [G, m, D]
         d_out_sorted = take_rows(d_out.reshape(g * n, d).contiguous(), order)  # [G N, D], expert order
-        dq_sorted, dk, dv, d_scaled, d_shared_values = grouped_backward(
-            *grouped, out_sorted, lse, probs, d_out_sorted, None, m, ctx.scale, m)
+        dq_sorted, dk, dv, d_scaled = mita_backward(*grouped, out_sorted, lse, probs, d_out_sorted, mask_bytes, scores,
+                                                    landmark_lse, h, ctx.scale)
         dq = take_rows(dq_sorted, inverse)
-        # the landmark pass adds its d scaled marks, dk, dv to them; the pooling its dq
-        landmark_backward_add(scaled, k_rows, v_rows, mask_bytes, scores, landmark_lse, shared_values, d_shared_values,
-                              h, d_scaled, dk.view(g, n, d), dv.view(g, n, d))
+        # the pooling adds its dq
         pool_bins_backward_add(d_scaled * ctx.scale, starts, ends, h, dq.view(g, n, d))
         return dq.view(b, h, n, d), dk.view(b, h, n, d), dv.view(b, h, n, d), None, None, None, None

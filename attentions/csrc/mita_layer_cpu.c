@@ -11,7 +11,7 @@
  * of its m experts (their routed keys are rows of the same head: the head's rows are its own) and
  * then the landmark backward of the head, into the same rows while they are in the cache. The same
  * arithmetic in the same order as the two calls: the same bits (tests/test_mita_cpu.py). MiTA's layer
- * (forward and backward, batch 8, 2 threads, AMD EPYC) 5-6% faster at 1K-4K; the same at 64K (B = 1,
+ * (forward and backward, batch 8, 2 threads, AMD EPYC) 4-7% faster at 1K-4K; the same at 64K (B = 1,
  * H = 4), where a head's rows no longer fit the caches (results/throughput/kernel-ab-amd-epyc-2c/).
  *
  * Both kernels are compiled into this library (their sources included: static functions, one

@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -137,6 +137,21 @@ def load(name: str) -> Optional[ctypes.CDLL]:
         except OSError as err:
             _why_not[name] = f"building or loading {source.name} failed: {err}"
     _loaded[name] = lib
+    return lib
+
+
+# a library's functions: name -> (argument types, result type) as ctypes takes them
+Signatures = Dict[str, Tuple[List[Any], Any]]
+
+
+def typed(name: str, signatures: Signatures) -> Optional[ctypes.CDLL]:
+    """``load(name)`` with the argument and result types of its functions set from ``signatures``
+    (once per loaded library); None when it cannot be built here."""
+    lib = load(name)
+    if lib is not None and getattr(lib, "_signatures", None) is not signatures:
+        for fn, (args, result) in signatures.items():
+            getattr(lib, fn).argtypes, getattr(lib, fn).restype = args, result
+        lib._signatures = signatures
     return lib
 
 

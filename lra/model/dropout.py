@@ -25,14 +25,14 @@ from attentions.ops import native
 LIBRARY = "dropout_cpu"
 
 
+SIGNATURES: native.Signatures = {
+    "dropout_apply": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_uint32,
+                       ctypes.c_float, ctypes.c_int64], None),
+}
+
+
 def library() -> Optional[ctypes.CDLL]:
-    lib = native.load(LIBRARY)
-    if lib is not None and not hasattr(lib, "_typed"):
-        lib.dropout_apply.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64,
-                                      ctypes.c_uint32, ctypes.c_float, ctypes.c_int64]
-        lib.dropout_apply.restype = None
-        lib._typed = True
-    return lib
+    return native.typed(LIBRARY, SIGNATURES)
 
 
 def fits(x: torch.Tensor, p: float) -> bool:

@@ -33,12 +33,11 @@ class Gate(ctypes.Structure):
         (name, _ptr_t) for name in ("q", "means", "empty", "chosen", "ok")]
 
 
+SIGNATURES: native.Signatures = {"block_gate": ([ctypes.POINTER(Gate)], ctypes.c_int)}
+
+
 def library() -> Optional[ctypes.CDLL]:
-    lib = native.load(LIBRARY)
-    if lib is not None and not hasattr(lib, "_typed"):
-        lib.block_gate.argtypes, lib.block_gate.restype = [ctypes.POINTER(Gate)], ctypes.c_int
-        lib._typed = True
-    return lib
+    return native.typed(LIBRARY, SIGNATURES)
 
 
 def refusals(q: torch.Tensor, per_query: int) -> List[str]:

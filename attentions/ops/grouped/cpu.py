@@ -51,18 +51,17 @@ class Merge(ctypes.Structure):
         (name, ctypes.c_void_p) for name in ("parts", "lse", "weights", "out", "dout", "dparts", "dlse")]
 
 
+SIGNATURES: native.Signatures = {
+    "grouped_forward": ([ctypes.POINTER(Grouped)], ctypes.c_int),
+    "grouped_backward": ([ctypes.POINTER(Grouped)], ctypes.c_int),
+    "merge_parts": ([ctypes.POINTER(Merge), ctypes.c_int], ctypes.c_int),
+    "take_rows": ([ctypes.c_void_p] * 3 + [_i64] * 3, None),
+    "expert_runs": ([ctypes.c_void_p, _i64, _i64, ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int),
+}
+
+
 def library() -> Optional[ctypes.CDLL]:
-    lib = native.load(LIBRARY)
-    if lib is not None and not hasattr(lib, "_typed"):
-        for fn in (lib.grouped_forward, lib.grouped_backward):
-            fn.argtypes, fn.restype = [ctypes.POINTER(Grouped)], ctypes.c_int
-        lib.merge_parts.argtypes, lib.merge_parts.restype = [ctypes.POINTER(Merge), ctypes.c_int], ctypes.c_int
-        lib.take_rows.argtypes = [ctypes.c_void_p] * 3 + [_i64] * 3
-        lib.take_rows.restype = None
-        lib.expert_runs.argtypes = [ctypes.c_void_p, _i64, _i64, ctypes.c_void_p, ctypes.c_void_p]
-        lib.expert_runs.restype = ctypes.c_int
-        lib._typed = True
-    return lib
+    return native.typed(LIBRARY, SIGNATURES)
 
 
 def refusals(x: torch.Tensor) -> List[str]:

@@ -43,16 +43,7 @@ class Landmarks(ctypes.Structure):
 
 
 def library() -> Optional[ctypes.CDLL]:
-    lib = native.load(LIBRARY)
-    if lib is not None and not hasattr(lib, "_typed"):
-        block = ctypes.POINTER(Landmarks)
-        for fn in (lib.landmark_forward, lib.landmark_backward):
-            fn.argtypes, fn.restype = [block], ctypes.c_int
-        lib.route_best.argtypes, lib.route_best.restype = [block, _ptr_t, _ptr_t, _ptr_t], ctypes.c_int
-        lib.route_order.argtypes, lib.route_order.restype = [block] + [_ptr_t] * 7, ctypes.c_int
-        lib.pool_bins.argtypes, lib.pool_bins.restype = [ctypes.POINTER(Pool)], ctypes.c_int
-        lib._typed = True
-    return lib
+    return native.typed(LIBRARY, SIGNATURES)
 
 
 def refusals(q: torch.Tensor) -> List[str]:
@@ -76,6 +67,15 @@ class Pool(ctypes.Structure):
 
     _fields_ = [(name, _i64) for name in ("G", "m", "N", "D", "heads", "threads", "backward", "accumulate")] + [
         (name, _ptr_t) for name in ("starts", "ends", "x", "dout", "out", "dx")]
+
+
+SIGNATURES: native.Signatures = {
+    "landmark_forward": ([ctypes.POINTER(Landmarks)], ctypes.c_int),
+    "landmark_backward": ([ctypes.POINTER(Landmarks)], ctypes.c_int),
+    "route_best": ([ctypes.POINTER(Landmarks), _ptr_t, _ptr_t, _ptr_t], ctypes.c_int),
+    "route_order": ([ctypes.POINTER(Landmarks)] + [_ptr_t] * 7, ctypes.c_int),
+    "pool_bins": ([ctypes.POINTER(Pool)], ctypes.c_int),
+}
 
 
 def _pool_block(starts: torch.Tensor, ends: torch.Tensor, heads: int, g: int, n: int, d: int) -> Pool:

@@ -30,13 +30,11 @@ from .cpu import Landmarks, kernel_bins, landmark_block, landmark_forward, pool_
 LIBRARY = "mita_layer_cpu"
 
 
+SIGNATURES: native.Signatures = {"mita_backward": ([ctypes.POINTER(Grouped), ctypes.POINTER(Landmarks)], ctypes.c_int)}
+
+
 def library() -> Optional[ctypes.CDLL]:
-    lib = native.load(LIBRARY)
-    if lib is not None and not hasattr(lib, "_typed"):
-        lib.mita_backward.argtypes = [ctypes.POINTER(Grouped), ctypes.POINTER(Landmarks)]
-        lib.mita_backward.restype = ctypes.c_int
-        lib._typed = True
-    return lib
+    return native.typed(LIBRARY, SIGNATURES)
 
 
 def refusals(q: torch.Tensor) -> List[str]:

@@ -21,14 +21,13 @@ from .. import native
 LIBRARY = "sparse_rows"
 
 
+# mix_rows, dot_rows, scatter_outer: three arrays, five sizes, an array and the thread count
+_ROWS = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_int64], ctypes.c_int)
+SIGNATURES: native.Signatures = {"mix_rows": _ROWS, "dot_rows": _ROWS, "scatter_outer": _ROWS}
+
+
 def _library() -> Optional[ctypes.CDLL]:
-    lib = native.load(LIBRARY)
-    if lib is not None and not hasattr(lib, "_typed"):
-        for fn in (lib.mix_rows, lib.dot_rows, lib.scatter_outer):
-            fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_int64]
-            fn.restype = ctypes.c_int
-        lib._typed = True
-    return lib
+    return native.typed(LIBRARY, SIGNATURES)
 
 
 def refusals(x: torch.Tensor) -> List[str]:

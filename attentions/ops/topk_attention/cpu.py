@@ -24,13 +24,11 @@ class _Args(ctypes.Structure):
                                       ("q", "kt", "v", "bias", "out", "index", "weights")]
 
 
+SIGNATURES: native.Signatures = {"topk_attention_forward": ([ctypes.POINTER(_Args)], ctypes.c_int)}
+
+
 def _library() -> Optional[ctypes.CDLL]:
-    lib = native.load(LIBRARY)
-    if lib is not None and not hasattr(lib, "_typed"):
-        lib.topk_attention_forward.argtypes = [ctypes.POINTER(_Args)]
-        lib.topk_attention_forward.restype = ctypes.c_int
-        lib._typed = True
-    return lib
+    return native.typed(LIBRARY, SIGNATURES)
 
 
 def refusals(x: torch.Tensor) -> List[str]:

@@ -13,7 +13,7 @@ The kernel is the torch.library operator ``lra::topk_select``.
 from __future__ import annotations
 
 import ctypes
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch.library import custom_op, register_fake
@@ -23,14 +23,14 @@ from .. import native
 LIBRARY = "topk_select"
 
 
-def _library():
-    lib = native.load(LIBRARY)
-    if lib is not None and not hasattr(lib, "_typed"):
-        lib.topk_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                  ctypes.c_void_p, ctypes.c_int64]
-        lib.topk_rows.restype = ctypes.c_int
-        lib._typed = True
-    return lib
+SIGNATURES: native.Signatures = {
+    "topk_rows": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_int64], ctypes.c_int),
+}
+
+
+def _library() -> Optional[ctypes.CDLL]:
+    return native.typed(LIBRARY, SIGNATURES)
 
 
 def refusals(x: torch.Tensor) -> List[str]:

@@ -28,8 +28,6 @@ from ..grouped.cpu import Grouped, grouped_block, grouped_forward, take_rows
 from .cpu import Landmarks, kernel_bins, landmark_block, landmark_forward, pool_bins, pool_bins_backward_add, route_order
 
 LIBRARY = "mita_layer_cpu"
-
-
 SIGNATURES: native.Signatures = {"mita_backward": ([ctypes.POINTER(Grouped), ctypes.POINTER(Landmarks)], ctypes.c_int)}
 
 
@@ -55,9 +53,10 @@ def mita_backward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mar
                   scores: torch.Tensor, marks_lse: torch.Tensor, heads: int, scale: float
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward of MiTA's grouped attention and landmark pass, head by head: ``lra::grouped_backward``
-    of the first ten arguments (G m experts over the [G N, D] keys and values by ``rows``, the pre-scaled
-    landmarks ``marks`` [G, m, D] and ``shared_values`` as each head's shared tables, a group and a
-    thread unit of m experts; its out, lse, softmax rows and d_out) followed by
+    of the first ten arguments (G m experts over the [G N, D] keys and values by ``rows`` [G m, k], each
+    expert's rows among its own head's N rows; the pre-scaled landmarks ``marks`` [G, m, D] and
+    ``shared_values`` as each head's shared tables, a group and a thread unit of m experts; its out,
+    lse, softmax rows and d_out) followed by
     ``lra::landmark_backward_add`` of the landmark pass (token_ok [G / heads, N] or None, its scores
     [G, m, N] and log-sum-exps [G, m]) into its gradients. Returns dq [P, D] (a row per pair), d keys,
     d values [G N, D] and d marks [G, m, D], new tensors."""

@@ -22,7 +22,7 @@
 
 /* ga: the grouped backward of G m experts, M = m shared keys per group of m experts (group = m),
  * keys read by index from rows of their own head (rows [G m, S] into [G N, D]); its dkeys, dvalues,
- * dskeys, dsvalues need not be set. la: the landmark backward of the same G heads with accumulate 1,
+ * dskeys, dsvalues are written whole (no zero fill needed). la: the landmark backward of the same G heads with accumulate 1,
  * dshared = ga->dsvalues, dmarks = ga->dskeys, dkeys and dvalues those of ga. 0 on success, 1 when a
  * thread's buffers could not be allocated. */
 int mita_backward(const Grouped *ga, const Landmarks *la) {

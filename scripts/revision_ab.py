@@ -83,7 +83,9 @@ def unpack(rev: str, into: Path) -> str:
         raise UserError(f"--base {rev!r} is not a commit of this repository (see `git log`)") from None
     archive = subprocess.run(["git", "archive", "--format=tar", commit], cwd=ROOT, capture_output=True, check=True)
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(into, filter="data")
+        # the "data" filter where this Python has it (3.12, and 3.9-3.11 from their 2023 releases):
+        # the archive is this repository's own, but no member may land outside the folder
+        tar.extractall(into, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     return commit
 
 

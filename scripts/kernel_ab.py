@@ -26,8 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -57,12 +57,17 @@ def git(*args: str) -> str:
     return done.stdout
 
 
-def revision_sources(rev: str, into: Path) -> str:
-    """The revision's kernel sources written into ``into``; its full commit hash."""
+def commit_of(rev: str) -> str:
+    """The full hash of --base's commit, or a UserError saying it is not one."""
     try:
-        commit = git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}").strip()
+        return git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}").strip()
     except UserError:
         raise UserError(f"--base {rev!r} is not a commit of this repository (see `git log`)") from None
+
+
+def revision_sources(rev: str, into: Path) -> str:
+    """The revision's kernel sources written into ``into``; its full commit hash."""
+    commit = commit_of(rev)
     names = [line for line in git("ls-tree", "--name-only", f"{commit}:{CSRC}").splitlines()
              if line.endswith((".c", ".h"))]
     if not names:
@@ -197,16 +202,17 @@ class Settings:
     json: Optional[str]
 
 
-def settings(prog: str, doc: str, base_help: str, attn: str, rounds: str, argv: Optional[List[str]]) -> Settings:
+def settings(prog: str, doc: str, base_help: str, default_attn: str, default_rounds: str,
+             argv: Optional[List[str]]) -> Settings:
     """The command line both A/B scripts take (kernel_ab.py, revision_ab.py), checked."""
     p = Parser(prog=prog, description=doc.splitlines()[0])
     p.add_argument("--base", required=True, help=base_help)
-    p.add_argument("--attn", default=attn, help="backends, comma-separated")
+    p.add_argument("--attn", default=default_attn, help="backends, comma-separated")
     p.add_argument("--lengths", default="1024", help="sequence lengths, comma-separated")
     p.add_argument("--batch", default="8", help="batch size")
     p.add_argument("--heads", default="2")
     p.add_argument("--head-dim", default="32")
-    p.add_argument("--rounds", default=rounds, help="timed steps per side (A B B A)")
+    p.add_argument("--rounds", default=default_rounds, help="timed steps per side (A B B A)")
     p.add_argument("--threads", default="2")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write the times, ratios and the machine as JSON")
@@ -219,10 +225,10 @@ def settings(prog: str, doc: str, base_help: str, attn: str, rounds: str, argv: 
     lengths = parse_ints(args.lengths, "lengths")
     (batch,), (heads,), (head_dim,) = (parse_ints(args.batch, "batch"), parse_ints(args.heads, "heads"),
                                        parse_ints(args.head_dim, "head-dim"))
-    (rounds_,), (threads,) = parse_ints(args.rounds, "rounds"), parse_ints(args.threads, "threads")
+    (rounds,), (threads,) = parse_ints(args.rounds, "rounds"), parse_ints(args.threads, "threads")
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise UserError(f"--json {args.json}: its folder does not exist")
-    return Settings(args.base, backends, lengths, batch, heads, head_dim, rounds_, threads, args.seed, args.json)
+    return Settings(args.base, backends, lengths, batch, heads, head_dim, rounds, threads, args.seed, args.json)
 
 
 class Report:

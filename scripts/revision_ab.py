@@ -32,7 +32,7 @@ from typing import List, Optional, Tuple
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_ab import ROOT, Report, git, settings  # noqa: E402
+from kernel_ab import ROOT, Report, commit_of, settings  # noqa: E402
 from lra.cli import console  # noqa: E402
 from lra.errors import UserError  # noqa: E402
 
@@ -77,10 +77,7 @@ for line in sys.stdin:
 
 def unpack(rev: str, into: Path) -> str:
     """The revision's files unpacked into ``into``; its full commit hash."""
-    try:
-        commit = git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}").strip()
-    except UserError:
-        raise UserError(f"--base {rev!r} is not a commit of this repository (see `git log`)") from None
+    commit = commit_of(rev)
     archive = subprocess.run(["git", "archive", "--format=tar", commit], cwd=ROOT, capture_output=True, check=True)
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         # the "data" filter where this Python has it (3.12, and 3.9-3.11 from their 2023 releases):

@@ -10,7 +10,6 @@ the seed alone. The kernel is the torch.library operator ``lra::dropout``. The m
 torch's (a run with the kernel and one without draw different dropout patterns); keep-rate and
 scaling are the same, 1 - p and 1 / (1 - p).
 """
-from __future__ import annotations
 
 import ctypes
 from typing import Optional

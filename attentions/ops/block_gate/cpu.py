@@ -8,7 +8,6 @@ lane, against the head's block means and keeps a short sorted list per lane inst
 gates the lower block number wins (torch.topk leaves ties unspecified). The kernel is the
 torch.library operator ``lra::block_gate``.
 """
-from __future__ import annotations
 
 import ctypes
 from typing import List, Optional, Tuple

@@ -17,7 +17,6 @@ Other dtypes (bf16 under autocast) and CUDA tensors take the PyTorch path; a mac
 kernel cannot be built (no C compiler) keeps the PyTorch path too: ``refusals`` says why
 (ops/native.py).
 """
-from __future__ import annotations
 
 import ctypes
 from typing import List, Optional, Tuple

@@ -19,7 +19,6 @@ other dtypes and devices, and machines where the kernel cannot be built, keep th
 ``lra::landmark_forward``, ``lra::route_best``, their backwards), with fake implementations for
 torch.compile and autograd over saved tensors.
 """
-from __future__ import annotations
 
 import ctypes
 from typing import List, Optional, Tuple

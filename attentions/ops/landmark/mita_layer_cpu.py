@@ -14,7 +14,6 @@ two operators ``lra::grouped_backward`` and ``lra::landmark_backward_add`` in tu
 adds its query gradient into dq. tests/test_mita_cpu.py checks it against the composed path,
 ``mita.reference`` and the two operators.
 """
-from __future__ import annotations
 
 import ctypes
 import math

@@ -8,7 +8,6 @@ into the picked rows of a gradient. Each equals an indexed torch expression (ref
 the tests compare against); ``refusals`` says why the kernels do not take an input. The kernels
 are the torch.library operators ``lra::mix_rows``, ``lra::dot_rows`` and ``lra::scatter_outer``.
 """
-from __future__ import annotations
 
 import ctypes
 from typing import List, Optional

@@ -5,7 +5,6 @@ lower index; torch.topk promises no order among ties). The kernel is the torch.l
 ``lra::topk_attention``; it is not differentiable (Top-k attention's backward runs on the row
 products of ops/row_products, from the indices and weights it returns).
 """
-from __future__ import annotations
 
 import ctypes
 from typing import List, Optional, Tuple

@@ -10,7 +10,6 @@ takes the lower indices; torch.topk promises no order); values and indices come 
 Other dtypes and devices, and machines where the kernel cannot be built, use torch.topk (dispatch.py).
 The kernel is the torch.library operator ``lra::topk_select``.
 """
-from __future__ import annotations
 
 import ctypes
 from typing import List, Optional, Tuple

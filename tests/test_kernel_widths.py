@@ -1,7 +1,9 @@
 """The C kernels at both vector widths (csrc/vec.h): the machine's own (16 floats with AVX-512, 8
 otherwise) is what the rest of the suite tests; the other width is built too (LRA_KERNEL_WIDTH=8 on a
 machine with AVX-512, LRA_KERNEL_WIDTH=16 elsewhere, each in its own cache) and the reference-vs-fast
-kernel tests run against it, so both widths' code paths are tested wherever the suite runs."""
+kernel tests run against it, so both widths' code paths are tested wherever the suite runs. So is the
+portable form (LRA_KERNEL_WIDTH=portable: no x86 intrinsic, the code an ARM machine builds), whose
+selection passes no x86 build runs otherwise."""
 from __future__ import annotations
 
 import os
@@ -49,13 +51,13 @@ def test_an_unknown_width_is_refused_with_the_widths_there_are(tmp_path: Path) -
     env = width_env(tmp_path, "12")
     code = "from attentions.ops import native; print(native.load('grouped_cpu'), native.why_not('grouped_cpu'))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, check=True)
-    assert out.stdout.strip() == "None LRA_KERNEL_WIDTH='12' is not a width the kernels build at: use 8, 16 or native"
+    assert out.stdout.strip() == ("None LRA_KERNEL_WIDTH='12' is not a width the kernels build at: use 8, 16, "
+                                  "portable or native")
 
 
-@needs_kernels
-def test_the_other_width_passes_the_kernel_tests(tmp_path: Path) -> None:
-    width = other_width()
-    env = width_env(tmp_path, width)
+def passes_the_kernel_tests(tmp_path: Path, form: str, width: str) -> None:
+    """The libraries built as LRA_KERNEL_WIDTH=form are ``width`` floats wide and pass KERNEL_TESTS."""
+    env = width_env(tmp_path, form)
     built = subprocess.run([sys.executable, "-c", "from attentions.ops import native; "
                             "print(native.vector_width('grouped_cpu'))"], env=env, capture_output=True, text=True,
                            cwd=ROOT, check=True)
@@ -63,6 +65,16 @@ def test_the_other_width_passes_the_kernel_tests(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS],
                          env=env, capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+
+
+@needs_kernels
+def test_the_other_width_passes_the_kernel_tests(tmp_path: Path) -> None:
+    passes_the_kernel_tests(tmp_path, other_width(), other_width())
+
+
+@needs_kernels
+def test_the_portable_form_passes_the_kernel_tests(tmp_path: Path) -> None:
+    passes_the_kernel_tests(tmp_path, "portable", "8")
 
 
 def test_x86_builds_ask_for_the_full_width_in_plain_loops_too(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,3 +86,5 @@ def test_x86_builds_ask_for_the_full_width_in_plain_loops_too(monkeypatch: pytes
     assert native.width_flags() == ["-DLRA_NARROW"]
     monkeypatch.setenv("LRA_KERNEL_WIDTH", "16")
     assert native.width_flags()[0] == "-DLRA_WIDE"
+    monkeypatch.setenv("LRA_KERNEL_WIDTH", "portable")
+    assert native.width_flags() == ["-DLRA_PORTABLE"]

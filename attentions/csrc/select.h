@@ -26,10 +26,10 @@
 #include "vec.h"
 /* the keep and count passes in AVX-512 where the library is built at 16 floats, in AVX2 where it is
  * built at 8 on a machine with AVX2 (so the LRA_NARROW form runs the AVX2 passes on an AVX-512
- * machine too) */
-#if VW == 16 && defined(__AVX512F__)
+ * machine too); in plain C elsewhere (ARM, for one) and in the LRA_PORTABLE form (vec.h) */
+#if VW == 16 && defined(__AVX512F__) && !defined(LRA_PORTABLE)
 #define LRA_SELECT_AVX512 1
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && !defined(LRA_PORTABLE)
 #define LRA_SELECT_AVX2 1
 #endif
 #if defined(LRA_SELECT_AVX512) || defined(LRA_SELECT_AVX2)

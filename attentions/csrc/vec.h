@@ -4,14 +4,16 @@
  * vf: VW floats, as wide as the machine the library is built for (-march=native): 16 where AVX-512
  * is there, else 8 (AVX2; two NEON registers on ARM). Defining LRA_NARROW builds the 8-wide form on
  * any machine, LRA_WIDE the 16-wide form (each vector op then runs as two or four of the machine's
- * own), so that the tests run both widths wherever they run (attentions/ops/native.py).
+ * own), so that the tests run both widths wherever they run (attentions/ops/native.py). LRA_PORTABLE
+ * builds what a machine without x86 intrinsics builds (ARM, for one): 8 floats of plain C vectors,
+ * no intrinsic anywhere (the stores below and select.h's passes), so that x86 machines test that form.
  * v8: always 8 floats, for the register transposes of 8 x 8 tiles. */
 #ifndef LRA_VEC_H
 #define LRA_VEC_H
 
 #include <stdint.h>
 
-#if (defined(__AVX512F__) || defined(LRA_WIDE)) && !defined(LRA_NARROW)
+#if (defined(__AVX512F__) || defined(LRA_WIDE)) && !defined(LRA_NARROW) && !defined(LRA_PORTABLE)
 #define VW 16
 #else
 #define VW 8
@@ -47,11 +49,11 @@ static inline float sumv(vf x) {
  * bytes). A plain store where the machine has none. stream_fence() orders them before the stores
  * that follow (call it once when a thread is done). */
 #define STREAM_ALIGN (4 * VW)
-#if VW == 16 && defined(__AVX512F__)
+#if VW == 16 && defined(__AVX512F__) && !defined(LRA_PORTABLE)
 #include <immintrin.h>
 static inline void streamv(float *p, vf x) { _mm512_stream_ps(p, (__m512)x); }
 static inline void stream_fence(void) { _mm_sfence(); }
-#elif VW == 8 && defined(__AVX__)
+#elif VW == 8 && defined(__AVX__) && !defined(LRA_PORTABLE)
 #include <immintrin.h>
 static inline void streamv(float *p, vf x) { _mm256_stream_ps(p, (__m256)x); }
 static inline void stream_fence(void) { _mm_sfence(); }

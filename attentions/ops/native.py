@@ -49,8 +49,10 @@ NATIVE = ["-mprefer-vector-width=512"] if platform.machine().lower() in ("x86_64
 # LRA_KERNEL_WIDTH: "native" (or unset) builds the machine's width, "8" the 8-float form (whose plain
 # loops keep the compiler's 8-float preference, as on an AVX2 machine), "16" the 16-float form on any
 # machine (each 16-float operation as two or four of the machine's own: for the tests, not for speed;
-# -Wno-psabi: GCC notes that 64-byte vectors pass differently without AVX-512, which no caller sees)
-WIDTHS = {"": NATIVE, "native": NATIVE, "8": ["-DLRA_NARROW"], "16": ["-DLRA_WIDE", "-Wno-psabi"]}
+# -Wno-psabi: GCC notes that 64-byte vectors pass differently without AVX-512, which no caller sees),
+# "portable" the 8-float form without any x86 intrinsic, the code ARM builds (csrc/vec.h)
+WIDTHS = {"": NATIVE, "native": NATIVE, "8": ["-DLRA_NARROW"], "16": ["-DLRA_WIDE", "-Wno-psabi"],
+          "portable": ["-DLRA_PORTABLE"]}
 
 # a source's own #include of another kernel's source
 INCLUDED_SOURCE = re.compile(r'^#include "([\w.-]+\.c)"', re.M)
@@ -122,7 +124,7 @@ def load(name: str) -> Optional[ctypes.CDLL]:
         _why_not[name] = f"no C compiler found ({os.environ.get('CC', 'cc')!r} is not on PATH; set CC)"
     elif extra is None:
         _why_not[name] = (f"LRA_KERNEL_WIDTH={os.environ['LRA_KERNEL_WIDTH']!r} is not a width the kernels "
-                          f"build at: use 8, 16 or native")
+                          f"build at: use 8, 16, portable or native")
     else:
         try:
             # the source, the headers and sources it may include, the compiler, the flags and the CPU

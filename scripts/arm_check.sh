@@ -21,9 +21,6 @@ setup_only=0
 if [ "${1:-}" = "--setup" ]; then setup_only=1; shift; fi
 torch_version=${1:-2.7.1}
 shift $(( $# > 0 ? 1 : 0 ))
-if [ $# -eq 0 ]; then
-    set -- $(python -c "import sys; sys.path.insert(0, 'tests'); from test_kernel_widths import KERNEL_TESTS; print(*KERNEL_TESTS)")
-fi
 dir=${ARM_CHECK_DIR:-$HOME/.cache/lra-suite/arm}
 sysroot=$dir/sysroot site=$dir/site-$torch_version
 
@@ -65,6 +62,9 @@ if [ ! -d "$site/torch" ]; then
 fi
 
 [ "$setup_only" = 1 ] && exit 0
+if [ $# -eq 0 ]; then
+    set -- $(python -c "import sys; sys.path.insert(0, 'tests'); from test_kernel_widths import KERNEL_TESTS; print(*KERNEL_TESTS)")
+fi
 
 run() {
     CC=aarch64-linux-gnu-gcc LRA_KERNEL_CACHE="$dir/kernels" PYTHONPATH="$repo:$site" TRITON_INTERPRET=0 \

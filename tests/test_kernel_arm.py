@@ -25,7 +25,8 @@ TORCH_ON_ARM = "2.7.1"
 CROSS = "aarch64-linux-gnu-gcc"
 # ELF header: e_machine (2 bytes, little-endian) at offset 18; 183 is EM_AARCH64
 EM_AARCH64 = 183
-# what an ARM machine adds to native.FLAGS (no width flags there), and the two checks
+# on top of native.FLAGS (an ARM machine adds no width flag to them): an undeclared function is an
+# error, and so is a symbol that no library the kernel links defines
 STRICT = ["-Werror=implicit-function-declaration", "-Wl,-z,defs"]
 
 needs_cross = pytest.mark.skipif(shutil.which(CROSS) is None,

@@ -3,8 +3,8 @@
 into an aarch64 shared library with no symbol left undefined (an x86 intrinsic that reached the ARM
 form would be an undeclared function, then an undefined symbol). tests/test_kernel_widths.py runs the
 kernel tests on that form's source built for x86 (LRA_KERNEL_WIDTH=portable), and the last test here
-runs them on aarch64 itself, under qemu (scripts/arm_check.sh), where its environment has been set
-up (CI does)."""
+runs those that compare results (all but the opchecks) on aarch64 itself, under qemu
+(scripts/arm_check.sh), where its environment has been set up (CI does)."""
 from __future__ import annotations
 
 import os

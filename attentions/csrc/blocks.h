@@ -1,8 +1,9 @@
 /* Vectorised building blocks shared by the CPU kernels (grouped, landmark, block gate, row products,
- * Top-k attention), at the machine's vector width VW (vec.h): a branch-free e^x, lane-wise max and
+ * Top-k attention, TTT), at the machine's vector width VW (vec.h): a branch-free e^x, lane-wise max and
  * sum, and the products of several rows at once against a block held in the L1 cache (dots2, dots6:
  * across keys of a transposed block; mix2_rows, mix6_rows: weighted sums of rows, of a block or read
- * in place; add_outer: a rank-C gradient update). All static inline: each kernel compiles its own copy. */
+ * in place; add_outer: a rank-C gradient update); transposes in 8 x 8 register tiles. All static
+ * inline: each kernel compiles its own copy. */
 #ifndef LRA_BLOCKS_H
 #define LRA_BLOCKS_H
 
@@ -472,6 +473,16 @@ static inline void transpose_rows(const float *const *rows, int64_t count, int64
 #endif
     for (; j0 < count; j0++)
         for (int64_t d = 0; d < D; d++) t[d * stride + j0] = rows[j0][d];
+}
+
+/* The [nb][D] rows at src transposed into t [D][nb]. */
+static inline void transpose_block(const float *src, int64_t nb, int64_t D, float *t) {
+    for (int64_t j0 = 0; j0 < nb; j0 += 8) {
+        const float *rows[8];
+        const int64_t c = nb - j0 < 8 ? nb - j0 : 8;
+        for (int64_t i = 0; i < c; i++) rows[i] = src + (j0 + i) * D;
+        transpose_rows(rows, c, D, t + j0, nb);
+    }
 }
 
 /* Queries in the vector lanes: 2 VW query rows t0 .. t0 + 2 VW - 1 of Q [N][D] transposed into

@@ -42,16 +42,6 @@ typedef struct {
     float *dmarks, *dkeys, *dvalues;    /* [G, m, D], [G, N, D] x 2 backward, whole (see accumulate) */
 } Landmarks;
 
-/* The [nb][D] rows at src transposed into t [D][nb]. */
-static void transpose_block(const float *src, int64_t nb, int64_t D, float *t) {
-    for (int64_t j0 = 0; j0 < nb; j0 += 8) {
-        const float *rows[8];
-        const int64_t c = nb - j0 < 8 ? nb - j0 : 8;
-        for (int64_t i = 0; i < c; i++) rows[i] = src + (j0 + i) * D;
-        transpose_rows(rows, c, D, t + j0, nb);
-    }
-}
-
 /* 0 for a real key, -inf for a masked one, over keys [j0, j0 + nb). */
 static void key_bias(const uint8_t *ok, int64_t j0, int64_t nb, float *bias) {
     for (int64_t j = 0; j < nb; j++) bias[j] = (ok && !ok[j0 + j]) ? -INFINITY : 0.0f;

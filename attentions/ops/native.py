@@ -29,6 +29,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..base import AttentionError
+
 SOURCES = Path(__file__).resolve().parent.parent / "csrc"
 # -march=native: the library is built on, and cached for, the CPU that runs it; -fopenmp: the
 # kernels' threads come from the OpenMP runtime torch has loaded (libgomp.so.1 on Linux wheels), so
@@ -192,3 +194,13 @@ def refusals(x: torch.Tensor, name: str, dtypes: Sequence[torch.dtype] = (torch.
     if not reasons and not built(name):
         reasons.append(why_not(name))
     return reasons
+
+
+def check_buildable(name: str, backend: str) -> None:
+    """For a backend set to ``kernel='cpu'``: raise an AttentionError saying why the C kernel ``name``
+    cannot be built here; nothing when it can."""
+    # a float32 CPU probe: only the build can refuse it
+    reasons = refusals(torch.empty(0), name)
+    if reasons:
+        raise AttentionError(f"{backend} kernel='cpu' needs the C kernel, which cannot be built here: "
+                             f"{reasons[0]}; use kernel='torch'")

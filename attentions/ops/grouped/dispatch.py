@@ -16,6 +16,7 @@ from typing import Callable, Dict, List
 import torch
 
 from ...base import AttentionError
+from .. import native
 from . import cpu, triton_op
 from .cpu import grouped_attention_cpu
 from .reference import grouped_attention
@@ -36,11 +37,7 @@ def check_kernel(kernel: str, backend: str) -> None:
     if kernel == "triton" and not triton_installed():
         raise AttentionError(f"{backend} kernel='triton' needs Triton, which is not installed: pip install triton")
     if kernel == "cpu":
-        # a float32 CPU probe: only the build can refuse it
-        reasons = cpu.refusals(torch.empty(0))
-        if reasons:
-            raise AttentionError(f"{backend} kernel='cpu' needs the C kernel, which cannot be built here: "
-                                 f"{reasons[0]}; use kernel='torch'")
+        native.check_buildable(cpu.LIBRARY, backend)
 
 
 def pick_grouped(kernel: str, device: torch.device) -> Callable:

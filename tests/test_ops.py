@@ -16,6 +16,7 @@ from attentions.ops.landmark import mita_layer_cpu
 from attentions.ops.row_products import cpu as rows
 from attentions.ops.topk_attention import cpu as topk_attention
 from attentions.ops.topk_selection import cpu as selection
+from attentions.ops.ttt import cpu as ttt
 from lra.model import dropout
 from test_mita_cpu import layer_backward_inputs
 
@@ -133,6 +134,19 @@ def cases() -> List[Tuple[str, Callable, tuple]]:
         out.append((f"block_gate-own{int(own)}", gate.block_gate, (randn(2, 2, 13, 8), randn(2, 2, 4, 8), empty, 4,
                                                                    2, own)))
     out.append(("dropout", dropout.dropout_op, (randn(4, 16, grad=True), 0.3, torch.tensor(12345))))
+    for hidden in (0, 8):
+        # 3 groups of 2 mini-batches of 4 tokens, D = 4 (the MLP 8 hidden units)
+        q, k, v = (randn(3, 2, 4, 4, grad=True) for _ in range(3))
+        lr = (0.1 * torch.rand(3, 2, 4, generator=GEN)).requires_grad_()
+        ts = (1.0 / torch.arange(1, 5)).requires_grad_()
+        w0 = (0.3 * randn(3, ttt.state_size(4, hidden))).requires_grad_()
+        lnw, lnb = (1.0 + 0.1 * randn(3, 4)).requires_grad_(), randn(3, 4, grad=True)
+        args = (q, k, v, lr, ts, w0, lnw, lnb, 1e-6, hidden, True)
+        out.append((f"ttt_forward-hidden{hidden}", ttt.ttt_forward, args))
+        plain = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        o, states, saved = ttt.ttt_forward(*plain)
+        out.append((f"ttt_backward-hidden{hidden}", ttt.ttt_backward,
+                    (*plain[:5], *plain[6:8], states, saved, randn(*o.shape), 1e-6, hidden)))
     return out
 
 
@@ -151,7 +165,8 @@ def test_every_kernel_entry_is_an_operator_in_one_namespace() -> None:
     assert names == {"grouped_forward", "grouped_backward", "merge_parts", "merge_parts_backward", "take_rows",
                      "expert_runs", "pool_bins", "pool_bins_backward", "pool_bins_backward_add", "landmark_forward",
                      "landmark_backward", "landmark_backward_add", "mita_backward", "route_best", "route_order",
-                     "topk_select", "topk_attention", "mix_rows", "dot_rows", "scatter_outer", "block_gate", "dropout"}
+                     "topk_select", "topk_attention", "mix_rows", "dot_rows", "scatter_outer", "block_gate", "dropout",
+                     "ttt_forward", "ttt_backward"}
     for name in names:
         assert hasattr(torch.ops.lra, name), name
 
@@ -166,7 +181,7 @@ def test_the_profiler_names_the_operators_of_a_training_step() -> None:
     # its grouped backward)
     for name, options in (("mita", {"landmarks": 8, "topk": 8}), ("mita", {"landmarks": 8, "topk": 8,
                                                                             "experts_per_query": 2}),
-                          ("moba", {"block_size": 16, "topk": 3}), ("topk", {"topk": 8})):
+                          ("moba", {"block_size": 16, "topk": 3}), ("topk", {"topk": 8}), ("ttt_mlp", {})):
         attn = build_attention(name, num_heads=2, head_dim=16, max_len=128, **options)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             attn(q, k, v).sum().backward()
@@ -174,4 +189,5 @@ def test_the_profiler_names_the_operators_of_a_training_step() -> None:
     assert {"lra::pool_bins", "lra::landmark_forward", "lra::route_order", "lra::topk_select", "lra::take_rows",
             "lra::grouped_forward", "lra::grouped_backward", "lra::mita_backward",
             "lra::pool_bins_backward_add", "lra::block_gate", "lra::expert_runs", "lra::merge_parts",
-            "lra::merge_parts_backward", "lra::topk_attention", "lra::mix_rows", "lra::dot_rows", "lra::scatter_outer"} <= seen, sorted(seen)
+            "lra::merge_parts_backward", "lra::topk_attention", "lra::mix_rows", "lra::dot_rows", "lra::scatter_outer",
+            "lra::ttt_forward", "lra::ttt_backward"} <= seen, sorted(seen)

@@ -7,7 +7,8 @@ mini-batch of 16 tokens, W takes gradient steps on reconstructing each value fro
 1/2 ||f(k_t) - v_t||^2, and query t reads f(q_t) with the weights the keys up to t have taught.
 Each key's learning rate is a learned gate times the base rate, base_lr * sigmoid(theta . k_t + beta)
 / D; the gate reads the key (the authors read the layer's input x, which a backend does not see).
-The dual form (attentions/ops/ttt/dual.py) runs; the primal form (reference.py) is the reference.
+The dual form runs: on float32 CPU tensors the C kernel (attentions/ops/ttt/cpu.py, ``kernel: auto``),
+else PyTorch (dual.py); the primal form (reference.py) is the reference.
 Cost O(N D (D + 16)) for TTT-Linear, O(N 4D (D + 16)) per layer of TTT-MLP; state O(D^2) per head.
 Causal: query t reads keys up to t only. ``bidirectional`` (the suite's extension, off by default)
 averages a second scan over each sequence's real tokens in reverse, with its own learned pieces.
@@ -27,10 +28,11 @@ import torch
 from torch import nn
 
 from ..base import Attention, AttentionError, AttnDims, Taxonomy, check_inputs
-from ..ops.ttt import dual_form, primal_form
+from ..ops.ttt import primal_form
+from ..ops.ttt.dispatch import check_kernel, kernel_name, pick_dual
 from ..registry import register
 
-FORMS = {"dual": dual_form, "primal": primal_form}
+FORMS = ("dual", "primal")
 
 
 @dataclass
@@ -46,6 +48,9 @@ class TTTLinearConfig:
     bidirectional: bool = False
     # "dual" (matmuls, the fast path) or "primal" (a weight copy per token, the reference)
     form: str = "dual"
+    # the dual form's implementation: "auto" (the C kernel on float32 CPU tensors where it builds, else
+    # PyTorch), "torch" (attentions/ops/ttt/dual.py) or "cpu" (the C kernel, csrc/ttt_cpu.c)
+    kernel: str = "auto"
     # the inner layer norm's epsilon
     eps: float = 1e-6
 
@@ -109,6 +114,7 @@ class TTTAttention(Attention):
             raise AttentionError(f"{self.name} form {cfg.form!r} is not one of {', '.join(FORMS)}")
         if not cfg.base_lr > 0 or not cfg.eps > 0:
             raise AttentionError(f"{self.name} base_lr and eps must be > 0; got {cfg.base_lr}, {cfg.eps}")
+        check_kernel(cfg.kernel, self.name)
         d = dims.head_dim
         hidden = None if self.hidden is None else self.hidden * d
         scans = 2 if cfg.bidirectional else 1
@@ -119,6 +125,12 @@ class TTTAttention(Attention):
         model = f"a {d} x {d} linear model" if self.hidden is None else f"a 2-layer MLP, {self.hidden * d} hidden"
         keys = "every key" if self.cfg.bidirectional else "every earlier key"
         return f"N ({keys}, learned into {model})"
+
+    @classmethod
+    def implementation(cls, cfg: TTTLinearConfig, device: torch.device) -> str:
+        if cfg.form == "primal":
+            return f"attentions.{cls.name} (primal form)"
+        return f"attentions.{cls.name} ({kernel_name(cfg.kernel, device)} kernel)"
 
     @classmethod
     def flops(cls, cfg: TTTLinearConfig, n: int, d: int) -> Optional[Tuple[float, float]]:
@@ -141,7 +153,8 @@ class TTTAttention(Attention):
         wide = torch.promote_types(q.dtype, torch.float32)
         with torch.autocast(q.device.type, enabled=False):
             q, k, v = (x.to(wide) for x in (q, k, v))
-            out = FORMS[self.cfg.form](
+            form = primal_form if self.cfg.form == "primal" else pick_dual(self.cfg.kernel, q)
+            out = form(
                 q, k, v, learner.initial_state(), learner.ln_weight, learner.ln_bias,
                 learner.learning_rate(k, self.cfg.base_lr), learner.token_scale(), self.cfg.eps,
             ).to(dtype)

@@ -1,6 +1,6 @@
 """Which run records the tables use: the finished ones under the run folders given, the latest per
-backend, preset, task and seed (and, for a task with levels such as MQAR's number of pairs, per
-level), and every record or run left out with the reason (unreadable, unfinished, an older
+backend (and its form, ``format.model``), preset, task and seed (and, for a task with levels such as
+MQAR's number of pairs, per level), and every record or run left out with the reason (unreadable, unfinished, an older
 duplicate, a smoke run, a run started from another's weights), which the tables print."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..config import DataConfig
 from ..errors import UserError
+from ..format import model
 from ..run.record import validate_record
 from ..tasks import get_task
 
@@ -76,7 +77,7 @@ def levels(record: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def load_records(folders: List[Path], include_smoke: bool = False) -> Tuple[List[Dict[str, Any]], Selection]:
-    """Finished records under the ``folders`` (the latest per backend, preset, task, seed and level), and
+    """Finished records under the ``folders`` (the latest per backend and form, preset, task, seed and level), and
     which records were used and left out: unreadable ones, unfinished runs, older duplicates and, unless
     ``include_smoke``, smoke runs (a handful of steps: they show the pipeline runs, not what a backend learns)."""
     selection = Selection()
@@ -103,7 +104,7 @@ def load_records(folders: List[Path], include_smoke: bool = False) -> Tuple[List
             selection.left_out.append((path, f"started from the weights of {record['init_from'].get('run', '?')} (--init-from)"))
             continue
         level = levels(record)
-        key = (record["attn"], record["preset"], record["task"], record["seed"], *sorted(level.items()))
+        key = (model(record), record["preset"], record["task"], record["seed"], *sorted(level.items()))
         same = "backend, preset, task, seed and level" if level else "backend, preset, task and seed"
         if key in latest:
             kept, kept_path = latest[key]

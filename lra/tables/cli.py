@@ -27,7 +27,7 @@ from attentions import load_attention_module
 from ..cli import Parser, console
 from ..errors import UserError
 from .efficiency import efficiency_table, published_efficiency_table
-from ..format import MISSING, Table, backend_order, fmt_number, markdown, write_tables
+from ..format import MISSING, Table, backend_order, fmt_number, markdown, model, write_tables
 from ..files import check_folder_arg, package_data
 from .published import published_table
 from .recall import TASK as RECALL_TASK, recall_cells, recall_table
@@ -79,7 +79,7 @@ def our_accuracy_rows(records: List[Dict[str, Any]], tasks: List[str], table: Ta
     for preset in sorted({r["preset"] for r in records}):
         table.breaks.append(len(table.rows))
         protocol = f"preset {preset}"
-        for attn in backend_order(r["attn"] for r in records if r["preset"] == preset):
+        for attn in backend_order(model(r) for r in records if r["preset"] == preset):
             cells = {t: summarize(groups[(preset, attn, t)], "test_acc", 100.0) for t in tasks if groups.get((preset, attn, t))}
             avg = average(cells)
             present = [t for t in tasks if groups.get((preset, attn, t))]
@@ -251,7 +251,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not args.no_plots and lra:
             from .plots import plot_all
 
-            written += plot_all(lra, out, backend_order(r["attn"] for r in lra), published_acc)
+            written += plot_all(lra, out, backend_order(model(r) for r in lra), published_acc)
         if not args.no_plots and recall:
             from .plots import recall_by_family, recall_vs_pairs
 

@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..format import MISSING, Table, backend_order
+from ..format import MISSING, Table, backend_order, model
 from .records import levels
 from .summary import seeds_text, summarize
 
@@ -61,7 +61,7 @@ def recall_cells(records: List[Dict[str, Any]]) -> Cells:
         if record["task"] != TASK:
             continue
         level = levels(record)
-        row = Row(record["preset"], level["level"], level["vocab"], level["max_len"], record["attn"], record["attn_budget"])
+        row = Row(record["preset"], level["level"], level["vocab"], level["max_len"], model(record), record["attn_budget"])
         cells[row][level["pairs"]].append(record)
     order = backend_order(row.attn for row in cells)
     rows = sorted(cells, key=lambda r: (r.preset, r.form, r.vocab, r.n, order.index(r.attn),

@@ -1,6 +1,6 @@
 """Which run records the tables use: the finished ones under the run folders given, the latest per
-backend, preset, task and seed (and, for a task with levels such as MQAR's number of pairs, per
-level), and every record or run left out with the reason (unreadable, unfinished, an older
+backend (and its form, ``format.model``), preset, task and seed (and, for a task with levels such as
+MQAR's number of pairs, per level), and every record or run left out with the reason (unreadable, unfinished, an older
 duplicate, a smoke run, a run started from another's weights), which the tables print."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..config import DataConfig
 from ..errors import UserError
+from ..format import model
 from ..run.record import validate_record
 from ..tasks import get_task
 
@@ -79,12 +80,12 @@ def levels(record: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def load_records(folders: List[Path], include_smoke: bool = False) -> Tuple[List[Dict[str, Any]], Selection]:
-    """Finished records under the ``folders`` (the latest per backend, preset, task, seed and level, and
-    in a tuned cell per grid point: the cell then reports its chosen point, lra/tables/tuning.py), and
+    """Finished records under the ``folders`` (the latest per backend and form, preset, task, seed and
+    level, and in a tuned cell per grid point: the cell then reports its chosen point, lra/tables/tuning.py), and
     which records were used and left out: unreadable ones, unfinished runs, older duplicates, records
     of a tuned cell off its chosen point and, unless ``include_smoke``, smoke runs (a handful of
     steps: they show the pipeline runs, not what a backend learns). Reasons come in folder order."""
-    from .tuning import choose_cells, grids, variant
+    from .tuning import choose_cells, grids, grid_point
 
     selection = Selection()
     # (folder index, record, its path): the finished records; (folder index, path, why): the reasons
@@ -113,12 +114,12 @@ def load_records(folders: List[Path], include_smoke: bool = False) -> Tuple[List
     tuned = grids([record for _, record, _ in found])
     latest: Dict[Tuple[Any, ...], Tuple[int, Dict[str, Any], Path]] = {}
     for index, record, path in found:
-        point, on_grid = variant(record, tuned)
+        point, on_grid = grid_point(record, tuned)
         if not on_grid:
             said.append((index, path, "its tuned values lie off the tuning grid of its backend, task and level"))
             continue
         level = levels(record)
-        key = (record["attn"], record["preset"], record["task"], record["seed"], *sorted(level.items()), point)
+        key = (model(record), record["preset"], record["task"], record["seed"], *sorted(level.items()), point)
         same = "backend, preset, task, seed and level" if level else "backend, preset, task and seed"
         same += " and tuned values" if point is not None else ""
         if key in latest:

@@ -12,17 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..format import MISSING, Table, backend_order
+from ..format import MISSING, Table, backend_order, model
 from ..tuning import Choice, Grid, Point, choose, point_of, score
 from .records import levels
 from .summary import TITLES, summarize
 
-# (attn, preset, task, level items): what a record is but its seed and its tuned values
+# (backend and form (format.model), preset, task, level items): what a record is but its seed and its
+# tuned values
 CellKey = Tuple[Any, ...]
 
 
 def cell_of(record: Dict[str, Any]) -> CellKey:
-    return (record["attn"], record["preset"], record["task"], *sorted(levels(record).items()))
+    return (model(record), record["preset"], record["task"], *sorted(levels(record).items()))
 
 
 @dataclass
@@ -80,7 +81,7 @@ def grids(records: List[Dict[str, Any]]) -> Dict[CellKey, Grid]:
     return {key: grid for key, (_, grid) in found.items()}
 
 
-def variant(record: Dict[str, Any], tuned: Dict[CellKey, Grid]) -> Tuple[Optional[Point], bool]:
+def grid_point(record: Dict[str, Any], tuned: Dict[CellKey, Grid]) -> Tuple[Optional[Point], bool]:
     """The grid point of a record of a tuned cell (None for an untuned cell), and whether it lies on the
     grid (a record of a tuned cell whose values are off it has no place in the tables)."""
     grid = tuned.get(cell_of(record))

@@ -132,6 +132,31 @@ class UnusedKeys(torch.autograd.Function):
         return d_out, d_out.new_zeros(ctx.k_shape, dtype=ctx.k_dtype)
 
 
+class ChunkSoftmax(torch.autograd.Function):
+    """Softmax and logsumexp over the last axis of a chunk's scores with their bias, in one new buffer:
+    scores + ``bias`` (the bucket form's), or scores with -SELF_PENALTY where ``itself`` and -inf where
+    ``blocked`` (the chunked form's). The backward needs the probabilities only:
+    d scores = p (d probs - sum(d probs p) + d lse) (the logsumexp's gradient is p)."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, bias: Optional[torch.Tensor], itself: Optional[torch.Tensor],
+                blocked: Optional[torch.Tensor]):
+        x = scores + bias if bias is not None else scores.masked_fill(itself, -SELF_PENALTY)
+        if blocked is not None:
+            x.masked_fill_(blocked, float("-inf"))
+        top = x.amax(dim=-1, keepdim=True)
+        total = x.sub_(top).exp_().sum(dim=-1, keepdim=True)
+        probs = x.div_(total)
+        ctx.save_for_backward(probs)
+        return probs, (top + total.log()).squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, d_probs: torch.Tensor, d_lse: torch.Tensor):
+        (probs,) = ctx.saved_tensors
+        inner = (d_probs[..., None, :] @ probs[..., :, None])[..., 0]  # [..., 1]: sum(d probs p) of each row
+        return (d_probs - (inner - d_lse[..., None])).mul_(probs), None, None, None
+
+
 def reference(q: torch.Tensor, v: torch.Tensor, buckets: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """Plain LSH attention with [N, N] scores and masks, from the buckets [B, H, R, N] of hash_buckets."""
     n, acc = q.shape[2], torch.promote_types(q.dtype, torch.float32)
@@ -205,9 +230,10 @@ def chunked_reference(q: torch.Tensor, v: torch.Tensor, buckets: torch.Tensor, c
 
 
 def chunked(qk: torch.Tensor, v: torch.Tensor, buckets: torch.Tensor, n_buckets: int, chunk_size: int,
-            length: torch.Tensor) -> torch.Tensor:
+            length: torch.Tensor, padded: bool) -> torch.Tensor:
     """The chunked form for qk, v [B, H, M, D] (M a multiple of chunk_size, padding at bucket n_buckets)
-    and the real tokens of each sequence, length [B]; out [B, H, M, D] (padding rows finite)."""
+    and the real tokens of each sequence, length [B] (``padded``: some may be fewer than M); out
+    [B, H, M, D] (padding rows finite)."""
     b, h, m, d = qk.shape
     if m == chunk_size:
         # the sequence fits in one chunk: plain attention, as HF runs it (every round would be the same)
@@ -232,18 +258,15 @@ def chunked(qk: torch.Tensor, v: torch.Tensor, buckets: torch.Tensor, n_buckets:
     sq, sk, sv = sort(qk.to(acc)), sort(shared_keys(qk).to(acc)), sort(v.to(acc))  # [B, H, chunks, c, D]
     scores = sq @ window(sk).transpose(-1, -2)  # [B, H, chunks, c, 2c]
     with torch.no_grad():
-        padding = (torch.arange(slots, device=qk.device) >= r * length[:, None]).view(b, 1, chunks, c, 1)
-        key_padding = window(padding)[..., 0]  # [B, 1, chunks, 2c]
-        query_at = position.view(b, h, chunks, c, 1)
-        key_at = window(query_at)[..., 0]  # [B, H, chunks, 2c]
-        # real queries reach real keys, padding queries padding keys (their rows stay finite)
-        bias = torch.zeros(scores.shape, dtype=acc, device=qk.device)
-        bias.masked_fill_(padding != key_padding[..., None, :], float("-inf"))
-        # the token itself, in whichever round's copy it meets
-        bias.masked_fill_(query_at == key_at[..., None, :], -SELF_PENALTY)
-    scores = scores + bias
-    probs = scores.softmax(-1)
-    lse = scores.amax(-1) - probs.amax(-1).log()  # [B, H, chunks, c]
+        # the token itself, in whichever round's copy it meets (positions as int32: a cheaper compare)
+        query_at = position.to(torch.int32).view(b, h, chunks, c, 1)
+        itself = query_at == window(query_at)[..., 0][..., None, :]  # [B, H, chunks, c, 2c]
+        blocked = None
+        if padded:
+            # real queries reach real keys, padding queries padding keys (their rows stay finite)
+            padding = (torch.arange(slots, device=qk.device) >= r * length[:, None]).view(b, 1, chunks, c, 1)
+            blocked = padding != window(padding)[..., 0][..., None, :]  # [B, 1, chunks, c, 2c]
+    probs, lse = ChunkSoftmax.apply(scores, None, itself, blocked)  # [B, H, chunks, c, 2c], [B, H, chunks, c]
     out = probs @ window(sv)  # [B, H, chunks, c, D]
     # 3. back to (round, position); rounds weighted by softmax of their logsumexp
     undo = torch.empty_like(order).scatter_(-1, order, torch.arange(slots, device=qk.device).expand_as(order))
@@ -318,7 +341,7 @@ class ReformerAttention(Attention):
         buckets = F.pad(buckets, (0, pad), value=self.n_buckets) if pad else buckets
         if self.cfg.form == "chunked":
             length = torch.full((b,), n, device=q.device) if mask is None else mask.sum(-1)
-            out = chunked(qk, v, buckets, self.n_buckets, c, length)
+            out = chunked(qk, v, buckets, self.n_buckets, c, length, padded=mask is not None or pad > 0)
             return UnusedKeys.apply(out[:, :, :n].to(q.dtype), k)
         # 1. each round's order: by bucket, then position
         order = sort_order(buckets)  # [B, H, R, M]
@@ -353,10 +376,7 @@ class ReformerAttention(Attention):
             bias.masked_fill_(apart, float("-inf"))
             # a token meets itself on the diagonal of its own chunk
             bias.diagonal(dim1=-2, dim2=-1).sub_(SELF_PENALTY)
-        scores = scores + bias
-        probs = scores.softmax(-1)
-        # logsumexp from the largest score and its weight, exp(top - lse): no second pass of exp
-        lse = scores.amax(-1) - probs.amax(-1).log()  # [B, H, R, chunks, c]
+        probs, lse = ChunkSoftmax.apply(scores, bias, None, None)  # [B, H, R, chunks, c, 2c], [B, H, R, chunks, c]
         out = probs @ window(sv)  # [B, H, R, chunks, c, D]
         # 3. back to positions; rounds weighted by softmax of their logsumexp
         undo = torch.empty_like(order).scatter_(-1, order, torch.arange(m, device=q.device).expand_as(order))

@@ -18,7 +18,7 @@ built and timed like a backend but never trained or listed by default. The regis
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Tuple
+from typing import Any, ClassVar, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -107,6 +107,14 @@ class Attention(nn.Module):
     def budget(self) -> str:
         """How many keys one query attends to at these settings, as a short formula with a value."""
         return "N"
+
+    @classmethod
+    def variant(cls, options: Dict[str, Any]) -> str:
+        """The form that ``options`` choose where it lets a query reach other keys than the backend's
+        default form ("" for the default form): tables keep the runs of each form in rows of their
+        own ("reformer (chunked)"), where options that only change how the same result is computed
+        (a kernel, a dual form) leave the row alone."""
+        return ""
 
     @classmethod
     def routes(cls) -> bool:

@@ -21,6 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter  # noqa: E402
 
 from ..files import write_atomic  # noqa: E402
+from ..format import model  # noqa: E402
 from .recall import Cells  # noqa: E402
 from .summary import TASKS, TITLES  # noqa: E402
 
@@ -39,12 +40,13 @@ def save(fig: Any, path: Path) -> Path:
 
 
 def by_series(records: List[Dict[str, Any]], order: List[str]) -> Series:
-    """Completed records by series label ("attn" or "attn (preset)" when several presets) and task."""
+    """Completed records by series label (the row, ``format.model``, or "row (preset)" when several
+    presets) and task."""
     presets = {r["preset"] for r in records}
     series: Series = defaultdict(lambda: defaultdict(list))
-    for record in sorted(records, key=lambda r: (order.index(r["attn"]) if r["attn"] in order else len(order), r["preset"])):
+    for record in sorted(records, key=lambda r: (order.index(model(r)) if model(r) in order else len(order), r["preset"])):
         if record["status"] == "completed" and record["test_acc"] is not None:
-            label = record["attn"] if len(presets) == 1 else f"{record['attn']} ({record['preset']})"
+            label = model(record) if len(presets) == 1 else f"{model(record)} ({record['preset']})"
             series[label][record["task"]].append(record)
     return series
 

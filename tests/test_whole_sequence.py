@@ -1,15 +1,18 @@
 """Options past the sequence, alike for every backend: a block, window, bucket or landmark count that
 reaches past max_len is clamped to what covers the sequence when the backend is built, with one
 notice naming the backend, the option and what it becomes; the output is the unclamped backend's.
-lra-analyze budget refuses such a budget (it repeats the clamped one)."""
+lra-run says the notice once; lra-analyze budget refuses such a budget (it repeats the clamped one)."""
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
 
 from attentions import AttnDims, build_attention, get_attention, list_attentions
 from attentions.registry import build_config
-from conftest import lengths_mask, rel_err
+from conftest import TINY_LISTOPS, lengths_mask, rel_err
 
 B, H, N, D = 2, 2, 64, 16
 # every backend that declares such options, with each option far past N
@@ -48,3 +51,13 @@ def test_an_option_past_the_sequence_is_clamped_with_a_notice_and_the_same_outpu
 def test_an_option_within_the_sequence_is_kept_without_a_notice() -> None:
     attn = build_attention("local", num_heads=H, head_dim=D, max_len=N, block_size=N)
     assert attn.cfg.block_size == N and attn.notices == []
+
+
+def test_lra_run_says_the_notice_once(cli: Callable, tmp_path: Path, listops_data: Path) -> None:
+    # TINY_LISTOPS rows are 128 tokens
+    ran = cli("lra-run", *TINY_LISTOPS, "--attn", "local", "--data-dir", listops_data, "--out", tmp_path,
+              "--set", "attn.block_size=1000")
+    assert ran.code == 0, ran.err
+    notices = [line for line in ran.err.splitlines() if line.startswith("lra-run: notice: ")]
+    assert notices == ["lra-run: notice: local block_size=1000 reaches past a sequence of 128 tokens (max_len): "
+                       "clamped to 128, one block of the whole sequence: full attention"]

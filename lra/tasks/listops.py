@@ -99,6 +99,10 @@ class ListOps(Task):
             return "listops"
         return f"listops_n{data.size}_seed{data.seed}"
 
+    def split_sizes(self, data: DataConfigLike) -> Dict[str, int]:
+        """The generator's sizes (those of the official release too, at the official size)."""
+        return dict(zip(SPLITS, listops_gen.split_sizes(data.size)))
+
     def find(self, data: DataConfigLike) -> Optional[Path]:
         names = [self.folder_name(data)]
         if data.size == 0:

@@ -3,7 +3,8 @@
 Reads the official ``basic_{train,val,test}.tsv`` files, from our generator (``listops_gen.py``) or
 from the official ``lra_release/listops-1000/`` folder, and tokenizes as the fixed official
 pipeline does: parentheses dropped, ``]`` a token of its own, split on white space; padded to 2,000.
-Missing files of the official size are generated on first use (a few minutes on 2 cores).
+Missing files of the official size are generated on first use (a few minutes on 2 cores; an
+interrupted generation continues where it stopped).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from ..errors import UserError
+from ..format import fmt_duration
 from . import listops_gen
 from .base import (
     SPLITS,
@@ -114,13 +116,29 @@ class ListOps(Task):
         return None
 
     def generate(self, data: DataConfigLike) -> Path:
+        """Generate the set into its folder. A large one says so first, with its size, then what the rest
+        will take at the pace of its first shards; an interrupted one continues where it stopped."""
         folder = Path(data.data_dir) / self.folder_name(data)
         rows = sum(listops_gen.split_sizes(data.size))
         size_mb = rows * BYTES_PER_ROW / 1e6
-        if size_mb >= NOTICE_MB:
-            print(f"lra: generating ListOps ({rows:,} rows, about {size_mb:,.0f} MB) into {folder}: minutes on a CPU, "
-                  "once (later runs read it)", file=sys.stderr, flush=True)
-        return listops_gen.generate_files(folder, size=data.size, seed=data.seed, workers=max(data.workers, 1))
+        large = size_mb >= NOTICE_MB
+        if large:
+            print(f"lra: generating ListOps ({rows:,} rows, about {size_mb:,.0f} MB) into {folder}, once (later runs "
+                  "read it); stopped, it continues where it stopped", file=sys.stderr, flush=True)
+
+        def left(seconds: float, timed: int) -> None:
+            if large:
+                print(f"lra: ListOps generation: about {fmt_duration(seconds)} left here (at the pace of its first "
+                      f"{timed:,} rows)", file=sys.stderr, flush=True)
+
+        try:
+            return listops_gen.generate_files(folder, size=data.size, seed=data.seed, workers=max(data.workers, 1),
+                                              left=left)
+        except KeyboardInterrupt:
+            if large:
+                print(f"lra: ListOps generation stopped; its finished shards are kept in {folder / listops_gen.PARTS}, "
+                      "and the same command continues from them", file=sys.stderr, flush=True)
+            raise
 
     def load(self, data: DataConfigLike) -> Dict[str, Split]:
         folder = self.find(data)
@@ -136,6 +154,9 @@ class ListOps(Task):
                 folder = self.generate(data)
             except OSError as err:
                 raise UserError(f"listops: cannot write generated data under {data.data_dir}: {err.strerror}")
+        else:
+            # a generation killed after writing the set, before removing its shards
+            listops_gen.clear_shards(folder)
         max_len = self.max_len(data)
         sources = [folder / FILES[s] for s in SPLITS]
         key = cache_key(sources, {"max_len": max_len, "vocab": VOCAB})

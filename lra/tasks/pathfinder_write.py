@@ -1,13 +1,17 @@
-"""Writing generated Pathfinder sets in the official layout, in parallel, resumable by batch.
+"""Writing generated Pathfinder sets in the official layout, in parallel, resumable by chunk.
 
 ``<folder>/imgs/<batch>/sample_<i>.png`` and ``<folder>/metadata/<batch>.npy`` (plain text lines, as
 the original writes them), 1,000 images a batch; ``generator.json`` records the settings so that a
-folder is never mixed with another set.
+folder is never mixed with another set. Every file is written atomically. A batch is drawn in chunks
+of up to ``CHUNK`` images; a finished chunk leaves ``imgs/<batch>/chunk_<start>-<stop>.txt`` (its
+metadata lines) until its batch's metadata file is written, so an interrupted generation continues
+from its last finished chunk, and every image is a function of (seed, batch, index): the files are
+the same bytes as an uninterrupted generation's.
 """
 from __future__ import annotations
 
+import io
 import json
-import shutil
 from dataclasses import asdict
 from multiprocessing import Pool
 from pathlib import Path
@@ -44,15 +48,37 @@ def metadata_line(p: Params, batch: int, index: int, label: int, margin: int) ->
     return " ".join(map(str, fields))
 
 
-def render_chunk(job: Job) -> Tuple[int, List[str]]:
-    """Draw and save images ``start..stop-1`` of one batch; returns (batch, metadata lines)."""
+def render_chunk(job: Job) -> Tuple[int, int, List[str]]:
+    """Draw and save images ``start..stop-1`` of one batch, each PNG written atomically, then the chunk's
+    metadata lines beside them (``chunk_<start>-<stop>.txt``: the chunk is finished); returns (batch,
+    start, metadata lines)."""
     folder, p, seed, batch, start, stop = job
+    images = Path(folder) / "imgs" / str(batch)
     lines = []
     for index in range(start, stop):
         sample = render_sample(image_seed(seed, p, batch, index), p)
-        Image.fromarray(sample.image).save(Path(folder) / "imgs" / str(batch) / f"sample_{index}.png")
+        png = io.BytesIO()
+        Image.fromarray(sample.image).save(png, format="PNG")
+        write_atomic(images / f"sample_{index}.png", png.getvalue())
         lines.append(metadata_line(p, batch, index, sample.label, sample.margin))
-    return batch, lines
+    write_atomic(images / f"chunk_{start}-{stop}.txt", "".join(line + "\n" for line in lines).encode())
+    return batch, start, lines
+
+
+def finished_chunks(images: Path) -> Dict[int, List[str]]:
+    """The finished chunks of an unfinished batch's folder: first index -> metadata lines. What an
+    interrupted chunk left (its images, temporary files) is removed: it is drawn again."""
+    done: Dict[int, List[str]] = {}
+    covered = set()
+    for path in images.glob("chunk_*.txt"):
+        start, stop = (int(x) for x in path.stem[len("chunk_"):].split("-"))
+        done[start] = path.read_text().splitlines()
+        covered.update(range(start, stop))
+    for path in images.iterdir():
+        index = path.stem[len("sample_"):] if path.name.startswith("sample_") and path.suffix == ".png" else None
+        if path.name.startswith(".") or (index is not None and (not index.isdigit() or int(index) not in covered)):
+            path.unlink()
+    return done
 
 
 def batch_sizes(size: int) -> List[int]:
@@ -100,17 +126,27 @@ def write_metadata(folder: Path, batch: int, lines: List[str]) -> None:
     write_atomic(meta / f"{batch}.npy", "".join(line + "\n" for line in lines).encode())
 
 
-def jobs(folder: Path, p: Params, seed: int, sizes: List[int], workers: int) -> Iterator[Job]:
-    """Chunks of the unfinished batches; a batch whose metadata exists is done and skipped."""
+def jobs(folder: Path, p: Params, seed: int, sizes: List[int], workers: int,
+         done: Dict[int, Dict[int, List[str]]]) -> Iterator[Job]:
+    """Chunks of the images still to draw; a batch whose metadata exists is finished and skipped, and
+    an unfinished batch keeps its finished chunks (``done``, filled here: batch -> first index -> lines)."""
     for batch, n in enumerate(sizes):
         if (folder / "metadata" / f"{batch}.npy").is_file():
             continue
-        shutil.rmtree(folder / "imgs" / str(batch), ignore_errors=True)
-        (folder / "imgs" / str(batch)).mkdir(parents=True)
+        images = folder / "imgs" / str(batch)
+        images.mkdir(parents=True, exist_ok=True)
+        done[batch] = finished_chunks(images)
+        covered = {i for start, lines in done[batch].items() for i in range(start, start + len(lines))}
         # small batches still give every worker a share
         chunk = min(CHUNK, -(-n // workers))
-        for start in range(0, n, chunk):
-            yield str(folder), p, seed, batch, start, min(start + chunk, n)
+        todo = [i for i in range(n) if i not in covered]
+        while todo:
+            # a run of consecutive indices, at most a chunk long
+            run = [todo[0]]
+            while len(run) < chunk and len(run) < len(todo) and todo[len(run)] == run[-1] + 1:
+                run.append(todo[len(run)])
+            todo = todo[len(run):]
+            yield str(folder), p, seed, batch, run[0], run[-1] + 1
 
 
 def generate(folder: Path, p: Params, size: int, seed: int, workers: int = 1) -> Path:
@@ -132,34 +168,43 @@ def generate(folder: Path, p: Params, size: int, seed: int, workers: int = 1) ->
 
 
 def render_all(folder: Path, p: Params, seed: int, workers: int, sizes: List[int]) -> None:
-    """Draw the images of every unfinished batch; a batch's metadata is written once all its images are."""
-    todo = list(jobs(folder, p, seed, sizes, workers))
-    pending = {b: [] for b in {job[3] for job in todo}}
-    remaining = {b: sizes[b] for b in pending}
+    """Draw the images still to draw; a batch's metadata is written once all its images are, and its
+    chunk files then removed. A kill or Ctrl-C keeps every finished chunk: the next run draws the rest."""
+    done: Dict[int, Dict[int, List[str]]] = {}
+    todo = list(jobs(folder, p, seed, sizes, workers, done))
+    remaining = {b: sizes[b] - sum(map(len, chunks.values())) for b, chunks in done.items()}
     bar = tqdm(total=sum(job[5] - job[4] for job in todo), desc=f"pathfinder{p.window}", unit="img",
                # None: tqdm's own choice, a bar on a terminal only (not in a log in front of an error line)
                disable=True if bars_off() else None)
     pool = Pool(workers) if workers > 1 and len(todo) > 1 else None
     try:
+        for batch in [b for b, left in remaining.items() if left == 0]:
+            finish_batch(folder, batch, done.pop(batch))
         results = pool.imap(render_chunk, todo) if pool else map(render_chunk, todo)
-        for batch, lines in results:
-            pending[batch] += lines
+        for batch, start, lines in results:
+            done[batch][start] = lines
             remaining[batch] -= len(lines)
             bar.update(len(lines))
             if remaining[batch] == 0:
-                write_metadata(folder, batch, pending[batch])
-                del pending[batch]
+                finish_batch(folder, batch, done.pop(batch))
     except (OSError, WriteError) as err:
-        # a full disk: the unfinished batches' images go (no partial PNG is left), finished batches stay
-        for batch in pending:
-            shutil.rmtree(folder / "imgs" / str(batch), ignore_errors=True)
+        # a full disk: no partial image is left (every PNG is written whole), finished chunks stay
+        for batch in done:
+            finished_chunks(folder / "imgs" / str(batch))
         cause = err.strerror if isinstance(err, WriteError) else err
-        raise WriteError(folder / "imgs", cause, f"{len(sizes) - len(pending)} of {len(sizes)} batches (up to {BATCH:,} "
-                         "images each) are finished and kept; free some space there and run the same command again "
-                         "to continue") from None
+        raise WriteError(folder / "imgs", cause, f"{len(sizes) - len(done)} of {len(sizes)} batches (up to {BATCH:,} "
+                         "images each) are finished, and the finished chunks of the others kept; free some space "
+                         "there and run the same command again to continue") from None
     finally:
         bar.close()
         if pool:
             # every result is in on success; on an error or Ctrl-C this stops the workers at once
             pool.terminate()
             pool.join()
+
+
+def finish_batch(folder: Path, batch: int, chunks: Dict[int, List[str]]) -> None:
+    """The batch's metadata file from its chunks' lines in index order, then the chunk files go."""
+    write_metadata(folder, batch, [line for start in sorted(chunks) for line in chunks[start]])
+    for path in (folder / "imgs" / str(batch)).glob("chunk_*.txt"):
+        path.unlink()

@@ -131,3 +131,14 @@ def test_a_killed_pathfinder_generation_continues_to_the_same_bytes(name: str, t
     assert not list(folder.glob("imgs/*/chunk_*"))
     pathfinder_write.generate(tmp_path / "whole", p, size=size, seed=0, workers=1)
     assert hashes(folder) == hashes(tmp_path / "whole")
+
+
+def test_a_long_pathfinder_generation_says_what_the_rest_takes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capfd: pytest.CaptureFixture) -> None:
+    # every generation counts as long here
+    monkeypatch.setattr(pathfinder_write, "NOTICE_S", 0)
+    monkeypatch.setattr(pathfinder_write, "CHUNK", 2)
+    pathfinder_write.generate(tmp_path, pathfinder_draw.lra_params(32, "curv_baseline"), size=6, seed=0, workers=1)
+    (line,) = capfd.readouterr().err.splitlines()
+    assert line.startswith("lra: pathfinder32 generation: about ") and line.endswith(
+        " left here (at the pace of its first 2 images); stopped, it continues where it stopped")

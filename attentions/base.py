@@ -139,6 +139,14 @@ class Attention(nn.Module):
         return "N"
 
     @classmethod
+    def variant(cls, options: Dict[str, Any]) -> str:
+        """The form that ``options`` choose where it lets a query reach other keys than the backend's
+        default form ("" for the default form): tables keep the runs of each form in rows of their
+        own ("reformer (chunked)"), where options that only change how the same result is computed
+        (a kernel, a dual form) leave the row alone."""
+        return ""
+
+    @classmethod
     def routes(cls) -> bool:
         """Whether the backend chooses keys per query from the data (its taxonomy's scaling is routing
         or both): two correct kernels may then disagree on rows where a near-tie flips a choice."""

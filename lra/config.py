@@ -154,6 +154,10 @@ class RunConfig:
     # the run folder whose best weights this run starts from (lra-run --init-from; "" = a fresh
     # initialisation). Part of the run's identity: such a run never resumes or replaces a plain one
     init_from: str = ""
+    # the tuning this run belongs to (lra/tuning.py: the grid, the criterion, the tuning seed and, on
+    # the other seeds, the chosen point); set by lra-sweep (lra-run --tuning), {} otherwise. Not part of
+    # the run's identity: the same values run outside the sweep are the same run
+    tuning: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
-from attentions import list_attentions
+from attentions import AttentionError, get_attention, list_attentions
 
 from .files import write_atomic_set
 
@@ -90,10 +90,30 @@ def write_tables(out: Path, stem: str, tables: List[Table]) -> List[Path]:
 
 
 def backend_order(names: Iterable[str]) -> List[str]:
-    """Registered backends in registry order, then any others named in records."""
+    """Registered backends in registry order, each followed by its other forms ("reformer (chunked)"),
+    then any others named in records."""
     registered = list_attentions()
     names = set(names)
-    return [n for n in registered if n in names] + sorted(names - set(registered))
+    known = sorted((n for n in names if mechanism(n) in registered),
+                   key=lambda n: (registered.index(mechanism(n)), n != mechanism(n), n))
+    return known + sorted(n for n in names if mechanism(n) not in registered)
+
+
+def model(record: Dict[str, Any]) -> str:
+    """The row a run record is counted in: its backend, with the form after it where the run's options
+    chose one that lets a query reach other keys than the backend's default (``Attention.variant``):
+    "reformer (chunked)". A backend this process has not registered is named by itself."""
+    try:
+        cls = get_attention(record["attn"])
+    except AttentionError:
+        return record["attn"]
+    form = cls.variant((record.get("config") or {}).get("attn_options") or {})
+    return f"{record['attn']} ({form})" if form else record["attn"]
+
+
+def mechanism(row: str) -> str:
+    """The backend of a table row named by ``model``: "reformer (chunked)" -> "reformer"."""
+    return row.split(" (", 1)[0]
 
 
 def fmt_number(value: Optional[float]) -> str:

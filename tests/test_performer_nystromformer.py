@@ -82,6 +82,24 @@ def test_performer_matches_reference(masked: bool, dtype: torch.dtype) -> None:
     assert_close([out] + grads(out, [q, k, v]), [ref] + grads(ref, [q, k, v]), TOL[dtype] * 10)
 
 
+@pytest.mark.parametrize("queries", [N, 17], ids=["all-queries", "17-queries"])
+@pytest.mark.parametrize("masked", [False, True], ids=["full", "masked"])
+def test_performer_hand_backward_matches_its_autograd_form(masked: bool, queries: int) -> None:
+    """FavorSoftmax (the path that runs) against ``favor`` (plain autograd): outputs and q/k/v gradients,
+    padded key rows' gradients exactly zero."""
+    torch.manual_seed(0)
+    attn = build_attention("performer", num_heads=H, head_dim=D, max_len=N, features=40).double()
+    q, k, v = make_qkv(N, torch.float64, scale=0.7)
+    mask = make_mask(N, [N, 29]) if masked else None
+    keys = None if mask is None else mask[:, None, :, None]
+    out = performer.FavorSoftmax.apply(q[:, :, :queries], k, v, attn.features, keys, attn.cfg.eps)
+    ref = attn.favor(q[:, :, :queries], k, v, mask)
+    found, expected = [out] + grads(out, [q, k, v]), [ref] + grads(ref, [q, k, v])
+    assert_close(found, expected, 1e-12)
+    if masked:
+        assert torch.equal(found[2][1, :, 29:], torch.zeros_like(found[2][1, :, 29:]))
+
+
 @pytest.mark.parametrize(
     "eps,batch,heads", [(0.0, B, H), (1e-4, 1, 1)], ids=["eps0-B2-H2", "eps1e-4-B1-H1"]
 )
@@ -335,4 +353,5 @@ def test_flops_grow_linearly_in_n() -> None:
         cls = get_attention(name)
         small, _ = cls.flops(build_config(name, options), 4096, 32)
         large, train = cls.flops(build_config(name, options), 16384, 32)
-        assert 3.0 < large / small <= 4.0 and train == 3 * large
+        # at most 4x from 4K to 16K; Nystromformer's m^3 pseudo-inverse is the same at every length
+        assert 2.5 < large / small <= 4.0 and train == 3 * large

@@ -154,8 +154,12 @@ def test_reformer_reaches_only_keys_of_its_bucket_and_window() -> None:
 @pytest.mark.parametrize("n_hashes", [1, 2], ids=["1hash", "2hashes"])
 @pytest.mark.parametrize("lengths", [(N, N), (N, 37)], ids=["full", "masked"])
 def test_reformer_one_bucket_one_chunk_is_full_attention_without_self(n_hashes: int, lengths) -> None:
-    """q_i . q_j / |q_j| over every real j != i (the paper's self-exclusion), exactly."""
-    attn = lsh(n_buckets=1, chunk_size=N, n_hashes=n_hashes)
+    assert_full_attention_without_self(lsh(n_buckets=1, chunk_size=N, n_hashes=n_hashes), lengths)
+
+
+def assert_full_attention_without_self(attn: reformer.ReformerAttention, lengths: Sequence[int]) -> None:
+    """q_i . q_j / |q_j| over every real j != i (the paper's self-exclusion), exactly; a token alone
+    attends to itself."""
     q, k, v = make_qkv()
     mask = make_mask(lengths)
     out = attn(q, k, v, mask)
@@ -164,7 +168,6 @@ def test_reformer_one_bucket_one_chunk_is_full_attention_without_self(n_hashes: 
     full = softmax_attention(q, reformer.shared_keys(q), v, bias)
     real = mask[:, None, :, None]
     assert_same([out * real, *grads(out, (q, k, v), mask)], [full * real, *grads(full, (q, k, v), mask)])
-    # a token alone attends to itself
     alone = attn(q[:, :, :1], k[:, :, :1], v[:, :, :1])
     assert torch.allclose(alone, v[:, :, :1], rtol=0, atol=1e-12)
 
@@ -294,8 +297,9 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("name,options", [("reformer", dict(chunk_size=16)), ("informer", dict(chunk_size=128))],
-                         ids=["reformer", "informer"])
+@pytest.mark.parametrize("name,options", [("reformer", dict(chunk_size=16)), ("reformer", dict(chunk_size=16, form="chunked")),
+                                          ("informer", dict(chunk_size=128))],
+                         ids=["reformer", "reformer-chunked", "informer"])
 def test_no_n_by_n_tensor_forward_or_backward(name: str, options) -> None:
     n = 1024
     attn = build_attention(name, num_heads=1, head_dim=8, max_len=n, **options)

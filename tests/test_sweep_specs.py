@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import re
+import shlex
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
@@ -37,8 +38,42 @@ def claimed(sources: Optional[List[str]]) -> List[str]:
     return [name for name in list_attentions() if any(owner.get(m) == name for m in models)]
 
 
+# the tuned specs: file -> (tasks, backends and their own values, seeds, preset, --set values)
+LEVELS = [("data.pairs=8",), ("data.pairs=16",), ("data.pairs=32",)]
+CHUNKED = ("reformer", ("attn.form=chunked",))
+TUNED: Dict[str, tuple] = {
+    "mqar_cpu_tuned.yaml": (["mqar"], [(a, ()) for a in list_attentions()] + [CHUNKED], [0, 1, 2], "cpu", LEVELS),
+    "listops_cpu_tuned.yaml": (["listops"], [(a, ()) for a in ("full", "linear", "performer", "nystromformer",
+                                                                 "skyformer", "reformer", "informer", "agent", "mita")]
+                               + [CHUNKED], [0, 1, 2], "cpu", [()]),
+}
+LRS = ("train.lr=0.0003", "train.lr=0.001", "train.lr=0.003", "train.lr=0.01")
+
+
 def test_every_spec_in_sweeps_is_checked() -> None:
-    assert sorted(p.name for p in SWEEPS.glob("*.yaml")) == sorted(SPECS)
+    assert sorted(p.name for p in SWEEPS.glob("*.yaml")) == sorted({**SPECS, **TUNED})
+
+
+@pytest.mark.parametrize("name", sorted(TUNED))
+def test_tuned_spec_dry_run_lists_the_learning_rate_grid_then_each_cells_seeds(name: str, cli: Callable,
+                                                                               tmp_path: Path) -> None:
+    """Every (level, backend) cell: the four learning rates at seed 0, then seeds 1 and 2 at the chosen one."""
+    tasks, backends, seeds, preset, levels = TUNED[name]
+    ran = cli("lra-sweep", "run", "--spec", SWEEPS / name, "--out", tmp_path / "sw", "--dry-run")
+    assert ran.code == 0, ran.err
+    *lines, total = ran.out.strip().splitlines()
+    listed = set()
+    for line in lines:
+        words = shlex.split(line)
+        flags = dict(zip(words[1::2], words[2::2]))
+        values = tuple(words[words.index("--set") + 1:words.index("--tuning") if "--tuning" in words else None])
+        listed.add((flags["--task"], flags["--attn"], int(flags["--seed"]), flags["--preset"], values))
+    cells = [(t, a, own + level) for t in tasks for a, own in backends for level in levels]
+    grid = {(t, a, 0, preset, values + (lr,)) for t, a, values in cells for lr in LRS}
+    waiting = {(t, a, s, preset, values + ("train.lr=<chosen>",)) for t, a, values in cells for s in seeds[1:]}
+    assert listed == grid | waiting and len(lines) == len(grid) + len(waiting)
+    assert total.startswith(f"{len(lines)} runs: {len(grid)} on the tuning grid (train.lr over 0.0003, 0.001, 0.003, "
+                            "0.01 at seed 0, by val_acc")
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
@@ -62,10 +97,10 @@ def test_spec_dry_run_lists_the_tables_runs(name: str, cli: Callable, tmp_path: 
     assert not (tmp_path / "sw").exists()
 
 
-@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("name", sorted({**SPECS, **TUNED}))
 def test_spec_says_which_table_it_regenerates(name: str) -> None:
     text = (SWEEPS / name).read_text()
     assert text.startswith("# Regenerates ")
-    sources = SPECS[name][0]
+    sources = SPECS[name][0] if name in SPECS else None
     for source in sources or []:
         assert source in text

@@ -10,7 +10,7 @@ import pytest
 
 from attentions import get_attention, list_attentions
 from lra.files import package_data
-from table_records import RECORDS, row, run_table, write_runs
+from table_records import RECORDS, make_record, row, run_table, write_runs
 
 pytestmark = pytest.mark.usefixtures("isolated_registry")
 
@@ -65,3 +65,31 @@ def test_without_runs_the_published_rows_are_still_grouped(tmp_path: Path) -> No
     out = run_table(tmp_path, "--no-plots")
     long = list(csv.DictReader(open(out / "published.csv")))
     assert long and all(r["source"] != "this suite" for r in long)
+
+
+def test_each_form_of_a_backend_is_a_row_of_its_own(tmp_path: Path) -> None:
+    """Runs of reformer's chunked form (attn.form=chunked) and of its bucket form, same task, preset and
+    seed: both are used, each in its own row of the accuracy and published tables, in MQAR's rows too."""
+    bucket, chunked = (make_record("listops", "reformer", 0, acc) for acc in (0.20, 0.30))
+    bucket["config"] = {"attn_options": {"n_hashes": 2, "chunk_size": 64, "form": "bucket"}}
+    chunked["config"] = {"attn_options": {"n_hashes": 2, "chunk_size": 64, "form": "chunked"}}
+    chunked["finished_at"] = "2026-01-02T00:00:00+00:00"
+    # a record written before the option existed is the default form
+    older = make_record("text", "reformer", 0, 0.55)
+    older["config"] = {"attn_options": {"n_hashes": 2, "chunk_size": 64}}
+    write_runs(tmp_path / "runs", [*RECORDS, bucket, chunked, older])
+    out = run_table(tmp_path, "--no-plots")
+    md = (out / "accuracy.md").read_text()
+    header = row(md, "Model", "Source")
+    assert dict(zip(header, row(md, "reformer", "this suite")))["ListOps"] == "20.00"
+    assert dict(zip(header, row(md, "reformer", "this suite")))["Text"] == "55.00"
+    assert dict(zip(header, row(md, "reformer (chunked)", "this suite")))["ListOps"] == "30.00"
+    left_out = next(line for line in md.splitlines() if line.startswith("Left out"))
+    assert "reformer" not in left_out
+    # the rows follow the registry's order, each form after its backend
+    models = [r["model"] for r in csv.DictReader(open(out / "accuracy.csv")) if r["source"] == "this suite"]
+    assert models.index("reformer (chunked)") == models.index("reformer") + 3
+    published = (out / "published.md").read_text()
+    header = row(published, "Mechanism", "Row")
+    assert dict(zip(header, row(published, "reformer", "this suite (chunked)")))["ListOps"] == "30.00"
+    assert dict(zip(header, row(published, "reformer", "this suite")))["ListOps"] == "20.00"

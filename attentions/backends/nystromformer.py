@@ -91,10 +91,10 @@ class NystromformerAttention(Attention):
 
     @classmethod
     def flops(cls, cfg: NystromformerConfig, n: int, d: int) -> Tuple[float, float]:
-        """Q K~^T, Q~ K^T, softmax(Q~ K^T) V and the final product with it 8 N m D; kernel_1 pinv 2 N m^2;
-        Q~ K~^T 2 m^2 D; 8 m^3 per iteration; the convolution 2 N D c. The backward is twice the forward."""
+        """Q K~^T, Q~ K^T, softmax(Q~ K^T) V and kernel_1 times (Z context) 8 N m D; Z context and Q~ K~^T
+        4 m^2 D; 8 m^3 per iteration; the convolution 2 N D c. The backward is twice the forward."""
         m = min(cfg.landmarks, n)
-        forward = 8.0 * n * m * d + 2.0 * n * m * m + 2.0 * m * m * d + 8.0 * cfg.pinv_iterations * m**3
+        forward = 8.0 * n * m * d + 4.0 * m * m * d + 8.0 * cfg.pinv_iterations * m**3
         forward += 2.0 * n * d * cfg.conv_kernel
         return forward, 3.0 * forward
 
@@ -115,18 +115,26 @@ class NystromformerAttention(Attention):
         # landmarks over each sequence's real tokens; spare landmarks of short sequences are masked
         q_land, real_land = pool_real(q, mask, m)  # [B, H, m, D], [B, m]
         k_land, _ = pool_real(k, mask, m)  # [B, H, m, D]
-        land_cols = real_land[:, None, None, :]  # [B, 1, 1, m]
-        kernel_1 = (q @ k_land.transpose(-1, -2)).masked_fill(~land_cols, float("-inf")).softmax(dim=-1)  # [B, H, N, m]
-        kernel_2 = (q_land @ k_land.transpose(-1, -2)).masked_fill(~land_cols, float("-inf")).softmax(dim=-1)
-        # a spare landmark's row is the identity's: kernel_2 stays block diagonal and its real block's
-        # pseudo-inverse (and the largest column sum, >= 1) is that of the sequence alone
-        eye = torch.eye(m, dtype=q.dtype, device=q.device)
-        kernel_2 = torch.where(real_land[:, None, :, None], kernel_2, eye)  # [B, H, m, m]
+        scores_1 = q @ k_land.transpose(-1, -2)  # [B, H, N, m]
+        scores_2 = q_land @ k_land.transpose(-1, -2)  # [B, H, m, m]
         scores_3 = q_land @ k.transpose(-1, -2)  # [B, H, m, N]
+        spare = mask is not None or q.shape[2] < m
+        if spare:
+            # spare landmarks (a sequence shorter than m) take no weight
+            land_cols = real_land[:, None, None, :]  # [B, 1, 1, m]
+            scores_1 = scores_1.masked_fill(~land_cols, float("-inf"))
+            scores_2 = scores_2.masked_fill(~land_cols, float("-inf"))
         if mask is not None:
             scores_3 = scores_3.masked_fill(~mask[:, None, None, :], float("-inf"))
+        kernel_1, kernel_2 = scores_1.softmax(dim=-1), scores_2.softmax(dim=-1)
+        if spare:
+            # a spare landmark's row is the identity's: kernel_2 stays block diagonal and its real block's
+            # pseudo-inverse (and the largest column sum, >= 1) is that of the sequence alone
+            eye = torch.eye(m, dtype=q.dtype, device=q.device)
+            kernel_2 = torch.where(real_land[:, None, :, None], kernel_2, eye)  # [B, H, m, m]
         context = scores_3.softmax(dim=-1) @ v  # [B, H, m, D]
-        out = (kernel_1 @ iterative_pinv(kernel_2, self.cfg.pinv_iterations)) @ context  # [B, H, N, D]
+        # kernel_1 (Z context): the m x m pseudo-inverse meets the m x D context, not the N x m kernel
+        out = kernel_1 @ (iterative_pinv(kernel_2, self.cfg.pinv_iterations) @ context)  # [B, H, N, D]
         if self.conv is not None:
             # a zeroed pad reads like the convolution's own zero padding past the end of a lone sequence
             v_real = v if mask is None else v.masked_fill(~mask[:, None, :, None], 0.0)

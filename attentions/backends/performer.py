@@ -88,6 +88,69 @@ def linear_readout(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor) ->
     return (phi_q @ state) / (phi_q @ norm.unsqueeze(-1))
 
 
+def stabilised_features(x: torch.Tensor, wt: torch.Tensor, eps: float, is_query: bool,
+                        keys: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """exp(x wt - |x|^2 / (2 sqrt(D)) - max) + eps in one [B, H, N, m] buffer (no autograd; wt [D, m]
+    holds the D^-1/4 scale): the softmax features without their m^-1/2, which cancels in the read-out.
+    Queries take their row max; keys the max over the real keys (``keys`` [B, 1, N, 1], None: all) of
+    each sequence and head, and padded key rows are zero."""
+    u = x @ wt  # [B, H, N, m]
+    half_norm = (x * x).sum(dim=-1, keepdim=True) * (x.shape[-1] ** -0.5 / 2)  # [B, H, N, 1]
+    row_max = u.amax(dim=-1, keepdim=True)  # [B, H, N, 1]
+    if is_query:
+        stabiliser = row_max
+    elif keys is None:
+        stabiliser = row_max.amax(dim=-2, keepdim=True)  # [B, H, 1, 1]
+    else:
+        stabiliser = row_max.masked_fill_(~keys, float("-inf")).amax(dim=-2, keepdim=True)
+    u.sub_(half_norm + stabiliser).exp_().add_(eps)
+    return u if keys is None else u.masked_fill_(~keys, 0.0)
+
+
+def features_backward(x: torch.Tensor, wt: torch.Tensor, phi: torch.Tensor, d_phi: torch.Tensor, eps: float,
+                      keys: Optional[torch.Tensor]) -> torch.Tensor:
+    """dL/dx from dL/dphi: with u = x wt and phi - eps = exp(u - |x|^2 / (2 sqrt(D)) - max), du =
+    (phi - eps) dphi and dx = du wt^T - (sum_m du) x / sqrt(D) (the max passes no gradient)."""
+    du = phi.sub(eps).mul_(d_phi)  # [B, H, N, m]
+    if keys is not None:
+        du.masked_fill_(~keys, 0.0)
+    return du @ wt.T - du.sum(dim=-1, keepdim=True) * x * x.shape[-1] ** -0.5
+
+
+class FavorSoftmax(torch.autograd.Function):
+    """FAVOR+ with softmax features, forward and backward by hand: the values of
+    ``PerformerAttention.favor`` (up to rounding), where each side's features are made in one buffer
+    and the state, normaliser, read-out and their gradients are one product each with [v | 1], so a
+    step keeps the two feature tensors where autograd keeps a dozen of their size."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, keys: Optional[torch.Tensor],
+                eps: float) -> torch.Tensor:
+        d = q.shape[-1]
+        wt = w.T * d**-0.25  # [D, m]
+        phi_q = stabilised_features(q, wt, eps, is_query=True)  # [B, H, S, m]
+        phi_k = stabilised_features(k, wt, eps, is_query=False, keys=keys)  # [B, H, N, m]
+        v1 = torch.cat([v, v.new_ones(v.shape[:-1] + (1,))], dim=-1)  # [B, H, N, D + 1]
+        state = phi_k.transpose(-1, -2) @ v1  # [B, H, m, D + 1]: phi(K)^T V and the normaliser z
+        read = phi_q @ state  # [B, H, S, D + 1]
+        out = read[..., :d] / read[..., d:]
+        ctx.save_for_backward(q, k, v1, wt, phi_q, phi_k, state, out, read[..., d:], keys)
+        ctx.eps = eps
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        q, k, v1, wt, phi_q, phi_k, state, out, den, keys = ctx.saved_tensors
+        d = q.shape[-1]
+        # out = num / den: d num = g / den, d den = -(g . out) / den
+        d_read = torch.cat([g, -(g * out).sum(dim=-1, keepdim=True)], dim=-1).div_(den)  # [B, H, S, D + 1]
+        d_state = phi_q.transpose(-1, -2) @ d_read  # [B, H, m, D + 1]
+        dq = features_backward(q, wt, phi_q, d_read @ state.transpose(-1, -2), ctx.eps, None)
+        dk = features_backward(k, wt, phi_k, v1 @ d_state.transpose(-1, -2), ctx.eps, keys)
+        dv = phi_k @ d_state[..., :d]
+        return dq, dk, dv, None, None, None
+
+
 @dataclass
 class PerformerConfig:
     # m: random features (google-research/performer's default)
@@ -165,13 +228,18 @@ class PerformerAttention(Attention):
             self.calls += 1
         # float32 at least, under autocast too: with exp features in bf16, 7% of the query gradient rows
         # are 5-14% off (scripts/device_check.py)
-        wide = torch.promote_types(q.dtype, torch.float32)
+        dtype, wide = q.dtype, torch.promote_types(q.dtype, torch.float32)
         with torch.autocast(q.device.type, enabled=False):
-            return self.favor(q.to(wide), k.to(wide), v.to(wide), mask).to(q.dtype)
+            q, k, v = q.to(wide), k.to(wide), v.to(wide)
+            if self.cfg.feature_map == "relu":
+                return self.favor(q, k, v, mask).to(dtype)
+            keys = None if mask is None else mask[:, None, :, None]
+            return FavorSoftmax.apply(q, k, v, self.features.to(wide), keys, self.cfg.eps).to(dtype)
 
     def favor(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """q [B, H, S, D] over k, v [B, H, N, D] (mask [B, N] over the keys) -> [B, H, S, D]. The key
-        state costs O(N m D) whatever S is, so a slice of queries is no cheaper: no ``attend``."""
+        """q [B, H, S, D] over k, v [B, H, N, D] (mask [B, N] over the keys) -> [B, H, S, D], in plain
+        autograd: the relu kernel's path, and the readable form of FavorSoftmax (the softmax path).
+        The key state costs O(N m D) whatever S is, so a slice of queries is no cheaper: no ``attend``."""
         b, _, n, _ = k.shape
         real = torch.ones(b, 1, n, 1, dtype=torch.bool, device=k.device) if mask is None else mask[:, None, :, None]
         # zeroed padded keys keep exp() finite there; their features are then dropped

@@ -2,6 +2,7 @@
 
     lra-analyze budget RUN_DIR --set attn.landmarks=16,32,64,128 attn.topk=16,32,64,128
     lra-analyze tokens RUN_DIR [--examples N] [--show K]
+    lra-analyze recall RUN_DIR [--examples N]       (an MQAR run: where recall is lost)
 
 Each prints its tables (Markdown) and writes them (md, csv, tex) with its plots (PNG) under --out
 (default ./analyses/<run folder name>/). Bad input is one line on stderr, exit status 2, nothing written.
@@ -47,7 +48,8 @@ def common(p: argparse.ArgumentParser) -> None:
 
 def parser() -> Parser:
     p = Parser(prog="lra-analyze", description="MiTA's findings on a finished run: accuracy at other attention budgets "
-               "at inference (budget) and which tokens routed experts select (tokens).")
+               "at inference (budget) and which tokens routed experts select (tokens); and where an MQAR run "
+               "loses recall (recall).")
     sub = p.add_subparsers(dest="command", required=True, parser_class=SubParser)
     budget = sub.add_parser("budget", help="test accuracy with attention options changed at inference, over a grid")
     common(budget)
@@ -57,6 +59,9 @@ def parser() -> Parser:
     tokens = sub.add_parser("tokens", help="which keys the routed experts select, per layer (a backend with routed experts)")
     common(tokens)
     tokens.add_argument("--show", type=int, default=4, help="image tasks: single examples drawn with their selected pixels (default 4)")
+    recall = sub.add_parser("recall", help="an MQAR run's test accuracy by the key's distance back and the pair asked "
+                            "for, and how often it answers with one of the sequence's values (where recall is lost)")
+    common(recall)
     return p
 
 
@@ -72,6 +77,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise UserError(f"--show must be 0 to {MAX_SHOW:,}, got {args.show}")
     if args.out:
         check_folder_arg(args.out, "--out")
+    if args.command == "recall":
+        return run_recall(args)
     return run_budget(args) if args.command == "budget" else run_tokens(args)
 
 
@@ -117,6 +124,20 @@ def run_tokens(args: argparse.Namespace) -> int:
 
         plots = image_figures(sel, np.asarray(loaded.test.labels), loaded.spec.image_side, args.show, loaded.run.name, out)
     finish(built, "tokens", out, plots)
+    return 0
+
+
+def run_recall(args: argparse.Namespace) -> int:
+    from .loaded import load
+    from .recall import score, tables
+
+    run = read_finished(args.run_dir, f"RUN_DIR {args.run_dir}")
+    if run.cfg.task != "mqar":
+        raise UserError(f"recall probes MQAR runs (multi-query associative recall); {args.run_dir} ran {run.cfg.task!r}")
+    loaded = load(args.run_dir, args.data_dir, args.examples, args.quiet)
+    queries = score(loaded, args.batch_size or loaded.cfg.train.batch_size)
+    out = Path(args.out) if args.out else Path("analyses") / loaded.run.name
+    finish(tables(loaded, queries), "recall", out, [])
     return 0
 
 

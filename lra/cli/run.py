@@ -1,6 +1,8 @@
 """lra-run: train one backend on one task and write its result record."""
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -43,6 +45,8 @@ def parser() -> Parser:
     p.add_argument("--attn-module", action="append", default=[], metavar="FILE.py",
                    help="a Python file registering more backends with @register (may repeat)")
     p.add_argument("--quiet", action="store_true", help="no progress bars (training, data generation and reading)")
+    # lra-sweep's tuned runs: the tuning they belong to (lra/tuning.py), kept in config.json and the record
+    p.add_argument("--tuning", metavar="JSON", help=argparse.SUPPRESS)
     p.add_argument("--no-estimate", action="store_true",
                    help="skip the line that says, before the data are read or generated, what a run of 10 minutes or "
                    "more will take here (its steps timed on made-up rows of the task's shape, lra/run/estimate.py)")
@@ -65,6 +69,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     cfg.out = str(Path(args.out))
     if args.init_from is not None:
         cfg.init_from = str(Path(args.init_from))
+    if args.tuning is not None:
+        cfg.tuning = tuning_block(args.tuning)
     if args.data_dir is not None:
         # a mistyped folder would otherwise receive minutes of generated ListOps data
         if not Path(args.data_dir).is_dir():
@@ -90,6 +96,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     print(last_line(record, f"{record['run_dir']}/record.json"))
     return 0
+
+
+def tuning_block(text: str) -> Dict[str, Any]:
+    """--tuning's JSON, checked to name a grid (lra/tuning.py)."""
+    from ..tuning import Grid
+
+    try:
+        block = json.loads(text)
+        if not isinstance(block, dict):
+            raise ValueError("not a JSON object")
+        Grid.from_block(block)
+    except ValueError as err:
+        raise UserError(f"--tuning {text[:60]!r}: {err}; it is set by lra-sweep, as a JSON object with grid, select and seed")
+    return block
 
 
 def last_line(record: Dict[str, Any], path: str) -> str:

@@ -81,9 +81,10 @@ def with_defaults(defaults: Dict[str, Any], saved: Dict[str, Any]) -> Dict[str, 
 
 
 def identity(config: Dict[str, Any]) -> Dict[str, Any]:
-    """What makes two configs the same run: all but where it is written and where its scalars are tracked."""
+    """What makes two configs the same run: all but where it is written, where its scalars are tracked
+    and the tuning it belongs to."""
     train = {k: v for k, v in (config.get("train") or {}).items() if k != "tracker"}
-    return {**{k: v for k, v in config.items() if k != "out"}, "train": train}
+    return {**{k: v for k, v in config.items() if k not in ("out", "tuning")}, "train": train}
 
 
 def abandoned(folder: Path) -> bool:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -45,6 +46,12 @@ def parser() -> Any:
     run.add_argument("--preset", help="comma-separated presets (default paper)")
     run.add_argument("--set", dest="sets", nargs="+", action="extend", default=[], metavar="KEY=V1[,V2...]",
                      help="config values, each an axis of the grid, e.g. train.lr=1e-3,3e-4 attn.topk=32")
+    run.add_argument("--tune", nargs="+", action="extend", default=[], metavar="KEY=V1[,V2...]",
+                     help="values to tune, e.g. train.lr=3e-4,1e-3,3e-3,1e-2: every combination runs at the first "
+                     "seed for each cell (task x backend x preset x --set values); the other seeds run at the one "
+                     "--select chose there (ties: the smaller value)")
+    run.add_argument("--select", help="what chooses among the tuned values (default and only: val_acc, the best "
+                     "validation accuracy)")
     run.add_argument("--data-dir", help="lra-run --data-dir for every run")
     run.add_argument("--config", dest="configs", action="append", default=[], metavar="FILE.yaml",
                      help="lra-run --config for every run (may repeat)")
@@ -92,7 +99,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def spec_of(args: Any, folder: SweepFolder) -> specs.SweepSpec:
     """The sweep's spec: --spec, the axis flags, or (neither given) the one the folder already holds."""
-    axis_flags = any(v is not None for v in (args.task, args.attn, args.seeds, args.preset)) or args.sets
+    axis_flags = any(v is not None for v in (args.task, args.attn, args.seeds, args.preset, args.select)) or args.sets \
+        or args.tune
     if args.spec and axis_flags:
         raise UserError("give the grid either as --spec FILE.yaml or as --task/--attn/--set flags, not both")
     if args.spec:
@@ -101,7 +109,7 @@ def spec_of(args: Any, folder: SweepFolder) -> specs.SweepSpec:
         if args.task is None or args.attn is None:
             raise UserError("a grid needs --task and --attn (and optionally --seeds, --preset, --set); or give --spec")
         return specs.from_flags(args.task, args.attn, args.seeds or "0", args.preset or "paper", args.sets,
-                                args.data_dir, args.configs, args.attn_module)
+                                args.data_dir, args.configs, args.attn_module, args.tune, args.select)
     if folder.exists():
         try:
             return specs.from_yaml(str(folder.spec_file), origin=f"the sweep's spec {folder.spec_file}")
@@ -122,6 +130,8 @@ def run_argv(out: str, run: specs.RunSpec, spec: specs.SweepSpec) -> List[str]:
         argv += ["--attn-module", path]
     if run.sets:
         argv += ["--set", *run.sets]
+    if run.tuning:
+        argv += ["--tuning", run.tuning]
     return argv
 
 
@@ -167,8 +177,7 @@ def run_main(args: Any) -> int:
     check_numbers(args)
     folder = SweepFolder(Path(args.out))
     spec = spec_of(args, folder)
-    runs = spec.runs()
-    specs.check_runs(spec, runs)
+    specs.check_runs(spec, spec.runs())
     options = slurm_options(args) if args.executor == "slurm" else None
     slots = None
     if args.executor == "local":
@@ -179,12 +188,8 @@ def run_main(args: Any) -> int:
     if options is not None:
         # an option submitit does not know fails here, before anything is written
         slurm_executor(SweepFolder(Path(os.devnull)), options)
-    argvs = [run_argv(str(folder.out), run, spec) for run in runs]
     if args.dry_run:
-        for run, argv in zip(runs, argvs):
-            print(f"lra-run {' '.join(argv)}")
-        print(plural(len(runs), "run"))
-        return 0
+        return dry_run(folder, spec)
     new = [p for p in (folder.out, folder.meta) if not p.exists()]
     try:
         folder.out.mkdir(parents=True, exist_ok=True)
@@ -196,7 +201,7 @@ def run_main(args: Any) -> int:
                  "it with lra-sweep status")
     with lock:
         try:
-            folder.write(spec, runs, argvs)
+            runs = plan(folder, spec)
             todo, left = to_submit(folder)
             if todo and args.executor == "slurm":
                 ids = submit_slurm(folder, todo, options)
@@ -206,23 +211,74 @@ def run_main(args: Any) -> int:
                 shutil.rmtree(path, ignore_errors=True)
             raise
         kept = ", ".join(f"{n} {state}" for state, n in sorted(left.items()))
-        print(f"lra-sweep: {plural(len(runs), 'run')}; {len(todo)} to run" + (f" ({kept} left as they are)" if kept else ""),
-              file=sys.stderr)
+        waiting = len(spec.undecided(tuned(folder, spec)))
+        print(f"lra-sweep: {plural(len(runs) + waiting, 'run')}; {len(todo)} to run" + (f" ({kept} left as they are)" if kept else "")
+              + (f"; {waiting} wait for their cell's tuning grid" if waiting else ""), file=sys.stderr)
         if not todo:
             return 0
         if args.executor == "slurm":
             jobs = f"job {ids[0]}" if len(ids) == 1 else f"jobs {ids[0]}..{ids[-1]}"
             print(f"lra-sweep: submitted {plural(len(ids), 'run')} to SLURM ({jobs}); follow them with "
-                  f"lra-sweep status {folder.out}")
+                  f"lra-sweep status {folder.out}"
+                  + (f"; once a cell's tuning grid has finished, the same lra-sweep run command submits its other seeds"
+                     if waiting else ""))
             return 0
+        # a tuned sweep's other seeds join the queue as each cell's grid finishes
+        refill = (lambda: next_runs(folder, spec, todo)) if spec.tune is not None else None
         if args.executor == "local":
-            outcomes = run_local(folder, todo, slots, args.time_min, args.quiet)
+            outcomes = run_local(folder, todo, slots, args.time_min, args.quiet, refill)
         else:
-            outcomes = run_debug(folder, todo, args.quiet, args.cpus_per_run)
+            outcomes = run_debug(folder, todo, args.quiet, args.cpus_per_run, refill)
     from .status import report
 
     print(report(folder))
     return 0 if all(o == "completed" for o in outcomes.values()) else 1
+
+
+def tuned(folder: SweepFolder, spec: specs.SweepSpec) -> specs.Decided:
+    """A tuned sweep's decided cells (lra/sweep/tune.py); {} for a sweep without tuning."""
+    from .tune import decided
+
+    return decided(folder, spec) if spec.tune is not None else {}
+
+
+def plan(folder: SweepFolder, spec: specs.SweepSpec) -> List[specs.RunSpec]:
+    """The runs the spec names now (a tuned sweep's: the grid, and the other seeds of its decided cells),
+    written to the sweep's run list."""
+    runs = spec.runs(tuned(folder, spec))
+    folder.write(spec, runs, [run_argv(str(folder.out), run, spec) for run in runs])
+    return runs
+
+
+def next_runs(folder: SweepFolder, spec: specs.SweepSpec, submitted: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Runs that a finished grid has added to a tuned sweep, not yet among ``submitted`` (which grows)."""
+    from .launch import to_submit
+
+    plan(folder, spec)
+    seen = {run["key"] for run in submitted}
+    new = [run for run in to_submit(folder)[0] if run["key"] not in seen]
+    submitted.extend(new)
+    return new
+
+
+def dry_run(folder: SweepFolder, spec: specs.SweepSpec) -> int:
+    """Print every lra-run command the sweep would run, and how many; a tuned sweep's runs that wait for
+    their cell's choice carry ``<chosen>`` in place of the tuned values."""
+    decided = tuned(folder, spec) if folder.exists() else {}
+    runs = spec.runs(decided)
+    waiting = spec.undecided(decided)
+    for run in runs + waiting:
+        print(f"lra-run {shlex.join(run_argv(str(folder.out), run, spec))}")
+    if spec.tune is None:
+        print(plural(len(runs), "run"))
+        return 0
+    grid = sum(1 for r in runs if r.seed == spec.tune.seed and r.tuning)
+    chosen = len(runs) - grid - len(spec.extra)
+    others = ", ".join(str(s) for s in spec.seeds if s != spec.tune.seed) or "none"
+    print(f"{plural(len(runs) + len(waiting), 'run')}: {grid} on the tuning grid ({spec.tune.describe()}), "
+          f"{chosen + len(waiting)} at each cell's chosen values (seeds {others}; {len(waiting)} still to be chosen)"
+          + (f", {len(spec.extra)} extra" if spec.extra else ""))
+    return 0
 
 
 def status_main(args: Any) -> int:

@@ -16,7 +16,7 @@ import io
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import submitit
 from tqdm import tqdm
@@ -139,10 +139,15 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+# runs that a finished run has made ready (a tuned sweep's other seeds), asked for after each one ends
+Refill = Optional[Callable[[], List[Dict[str, Any]]]]
+
+
 def run_local(folder: SweepFolder, runs: List[Dict[str, Any]], slots: List[Slot], time_min: int,
-              quiet: bool) -> Dict[str, str]:
-    """Run ``runs`` on this machine, ``len(slots)`` at a time, each pinned to its slot's cores; returns
-    each run's outcome ("completed", "diverged", "stopped", or "failed: <line>")."""
+              quiet: bool, refill: Refill = None) -> Dict[str, str]:
+    """Run ``runs`` on this machine, ``len(slots)`` at a time, each pinned to its slot's cores, and the
+    runs ``refill`` adds as others end; returns each run's outcome ("completed", "diverged",
+    "stopped", or "failed: <line>")."""
     executor = submitit.AutoExecutor(folder=str(folder.submitit_dir / "%j"), cluster="local",
                                      local_max_num_timeout=MAX_TIMEOUTS)
     executor.update_parameters(timeout_min=time_min)
@@ -165,6 +170,11 @@ def run_local(folder: SweepFolder, runs: List[Dict[str, Any]], slots: List[Slot]
                     del running[slot]
                     bar.update(1)
                     bar.set_postfix_str(clip(f"{run['label']}: {outcomes[run['key']]}", 60))
+                    if refill is not None:
+                        more = refill()
+                        waiting += more
+                        bar.total += len(more)
+                        bar.refresh()
             time.sleep(0.5)
     except KeyboardInterrupt:
         # the runs got Ctrl-C too (one process group) and are saving their checkpoints
@@ -177,16 +187,27 @@ def run_local(folder: SweepFolder, runs: List[Dict[str, Any]], slots: List[Slot]
     return outcomes
 
 
-def run_debug(folder: SweepFolder, runs: List[Dict[str, Any]], quiet: bool, cpus_per_run: int) -> Dict[str, str]:
+def run_debug(folder: SweepFolder, runs: List[Dict[str, Any]], quiet: bool, cpus_per_run: int,
+              refill: Refill = None) -> Dict[str, str]:
     """Run ``runs`` one after another in this process (submitit's debug executor), each with
-    ``cpus_per_run`` torch threads, as the local and SLURM executors give theirs."""
+    ``cpus_per_run`` torch threads, as the local and SLURM executors give theirs; then the runs
+    ``refill`` adds as they end."""
     executor = submitit.AutoExecutor(folder=str(folder.submitit_dir / "%j"), cluster="debug")
     outcomes = {}
+    waiting = list(runs)
+    bar = tqdm(total=len(waiting), desc="lra-sweep", unit="run", disable=quiet)
     try:
-        for run in tqdm(runs, desc="lra-sweep", unit="run", disable=quiet):
+        while waiting:
+            run = waiting.pop(0)
             job = executor.submit(RunJob(str(folder.out), run["key"], run["argv"], inprocess=True, threads=cpus_per_run))
             outcomes[run["key"]] = outcome(job)
+            bar.update(1)
+            if refill is not None:
+                more = refill()
+                waiting += more
+                bar.total += len(more)
     finally:
+        bar.close()
         drop_template_folder(folder)
     return outcomes
 

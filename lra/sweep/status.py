@@ -138,9 +138,16 @@ def summary(statuses: List[RunStatus]) -> str:
 
 
 def report(folder: SweepFolder) -> str:
+    """One line per run and the summary; for a tuned sweep, then its grid, scores and choices."""
+    from .spec import from_yaml
+    from .tune import report_lines
+
     statuses = sweep_status(folder)
     width = max((len(s.label) for s in statuses), default=0)
-    return "\n".join([s.line(width) for s in statuses] + [summary(statuses)])
+    lines = [s.line(width) for s in statuses] + [summary(statuses)]
+    if folder.saved_spec().get("tune") is not None:
+        lines += report_lines(folder, from_yaml(str(folder.spec_file), origin=f"the sweep's spec {folder.spec_file}"))
+    return "\n".join(lines)
 
 
 def unfinished(statuses: List[RunStatus]) -> List[RunStatus]:

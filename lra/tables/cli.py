@@ -20,14 +20,14 @@ import csv
 import math
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from attentions import load_attention_module
 
 from ..cli import Parser, console
 from ..errors import UserError
 from .efficiency import efficiency_table, published_efficiency_table
-from ..format import MISSING, Table, backend_order, fmt_number, markdown, write_tables
+from ..format import MISSING, Table, backend_order, fmt_number, markdown, model, write_tables
 from ..files import check_folder_arg, package_data
 from .published import published_table
 from .recall import TASK as RECALL_TASK, recall_cells, recall_table
@@ -35,6 +35,7 @@ from .records import load_records, shown
 from .summary import SOURCES, TITLES, Summary, average, grouped, published_value, seeds_text, summarize, task_list
 from .taxonomy import taxonomy_table
 from .throughput import throughput_tables
+from .tuning import tuning_table
 
 REFERENCE_FILES = ("published_lra.csv", "published_efficiency.csv")
 # the notes on published rows (what their code did that moves their numbers), beside them
@@ -65,18 +66,26 @@ def read_csv(path: Path) -> List[Dict[str, str]]:
         raise UserError(f"cannot read {path}: {err}")
 
 
-def our_accuracy_rows(records: List[Dict[str, Any]], tasks: List[str], table: Table) -> List[Dict[str, Any]]:
-    """Append one row per (preset, backend) and a majority-class row per preset; return the CSV rows."""
+def our_accuracy_rows(records: List[Dict[str, Any]], tasks: List[str], table: Table,
+                      tuned: Sequence[Any] = ()) -> List[Dict[str, Any]]:
+    """Append one row per (preset, backend) and a majority-class row per preset; return the CSV rows.
+    With tuned cells (lra/tables/tuning.py), the rows end with the chosen values, task by task."""
+    from .tuning import setting_text, tuned_keys
+
     long: List[Dict[str, Any]] = []
     groups = grouped(records)
+    keys = tuned_keys(tuned)
+    by_key = {c.key: c for c in tuned}
     for preset in sorted({r["preset"] for r in records}):
         table.breaks.append(len(table.rows))
         protocol = f"preset {preset}"
-        for attn in backend_order(r["attn"] for r in records if r["preset"] == preset):
+        for attn in backend_order(model(r) for r in records if r["preset"] == preset):
             cells = {t: summarize(groups[(preset, attn, t)], "test_acc", 100.0) for t in tasks if groups.get((preset, attn, t))}
             avg = average(cells)
+            present = [t for t in tasks if groups.get((preset, attn, t))]
+            chosen = [setting_text([groups[(preset, attn, t)] for t in present], by_key, keys)] if keys else []
             table.rows.append([attn, "this suite", protocol, seeds_text(cells),
-                               *(cells[t].text() if t in cells else MISSING for t in tasks), fmt_number(avg)])
+                               *(cells[t].text() if t in cells else MISSING for t in tasks), fmt_number(avg), *chosen])
             for t, s in cells.items():
                 long.append({"source": "this suite", "protocol": protocol, "model": attn, "task": t,
                              "acc_mean": s.mean, "acc_std": s.std, "seeds": len(s.values), "diverged": s.diverged})
@@ -84,11 +93,13 @@ def our_accuracy_rows(records: List[Dict[str, Any]], tasks: List[str], table: Ta
         # the majority class depends on the test split only, so any record of the task gives it
         majority = {t: Summary([100.0 * rs[0]["majority_acc"]]) for (p, _, t), rs in groups.items() if p == preset}
         table.rows.append(["majority class", "this suite", protocol, MISSING,
-                           *(majority[t].text() if t in majority else MISSING for t in tasks), fmt_number(average(majority))])
+                           *(majority[t].text() if t in majority else MISSING for t in tasks), fmt_number(average(majority)),
+                           *([MISSING] if keys else [])])
     return long
 
 
-def published_accuracy_rows(published: List[Dict[str, str]], tasks: List[str], table: Table) -> List[Dict[str, Any]]:
+def published_accuracy_rows(published: List[Dict[str, str]], tasks: List[str], table: Table,
+                            tuned: bool = False) -> List[Dict[str, Any]]:
     """Append the published rows grouped by protocol (an empty cell stays missing); return the CSV rows."""
     long: List[Dict[str, Any]] = []
     for protocol in dict.fromkeys(row["protocol"] for row in published):
@@ -96,21 +107,34 @@ def published_accuracy_rows(published: List[Dict[str, str]], tasks: List[str], t
         for row in (r for r in published if r["protocol"] == protocol):
             values = {t: published_value(row, t) for t in [*tasks, "avg"]}
             table.rows.append([row["model"], SOURCES.get(row["source"], row["source"]), protocol, MISSING,
-                               *(fmt_number(values[t]) for t in [*tasks, "avg"])])
+                               *(fmt_number(values[t]) for t in [*tasks, "avg"]), *([MISSING] if tuned else [])])
             long += [{"source": row["source"], "protocol": protocol, "model": row["model"], "task": t, "acc_mean": value}
                      for t, value in values.items()]
     return long
 
 
-def accuracy_table(records: List[Dict[str, Any]], published: List[Dict[str, str]], reference: str) -> Table:
+def accuracy_table(records: List[Dict[str, Any]], published: List[Dict[str, str]], reference: str,
+                   tuned: Sequence[Any] = ()) -> Table:
+    """Our rows, then the published ones; with tuned cells, a last column of each row's chosen values
+    (lra/tables/tuning.py), task by task in the order of the tasks it has."""
+    from .tuning import tuned_keys
+
     tasks = task_list(records)
-    table = Table("Test accuracy (%)", ["Model", "Source", "Protocol", "Seeds", *(TITLES.get(t, t) for t in tasks), "Avg"])
-    table.records = our_accuracy_rows(records, tasks, table) + published_accuracy_rows(published, tasks, table)
+    keys = tuned_keys(tuned)
+    chosen = [f"{', '.join(keys)} chosen"] if keys else []
+    table = Table("Test accuracy (%)", ["Model", "Source", "Protocol", "Seeds", *(TITLES.get(t, t) for t in tasks), "Avg",
+                                        *chosen])
+    table.records = our_accuracy_rows(records, tasks, table, tuned) + published_accuracy_rows(published, tasks, table,
+                                                                                              bool(keys))
     table.notes = [
         "Test accuracy of the best-validation checkpoint; mean ± sample std over seeds where several. "
         "Avg: mean of the five tasks without Path-X, given only when all five are present.",
         f"{MISSING} = not run or not reported (the MiTA paper's per-task numbers are not public). Published rows: {reference}.",
     ]
+    if keys:
+        table.notes.append(f"{', '.join(keys)} chosen: the value each backend's tasks ran at, task by task (/); a tuned "
+                           "cell at the grid point with the best validation accuracy at the tuning seed (ties: the smaller "
+                           "value; every point in tuning.md), the others marked (not tuned).")
     table.notes += differences_from_full(records)
     return table
 
@@ -197,7 +221,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     recall = recall_cells(records)
     outputs: Dict[str, List[Table]] = {}
     if lra:
-        outputs["accuracy"] = [accuracy_table(lra, published_acc, shown(acc_file) if published_acc else "none found")]
+        outputs["accuracy"] = [accuracy_table(lra, published_acc, shown(acc_file) if published_acc else "none found",
+                                              [c for c in selection.tuned if c.key[2] != RECALL_TASK])]
         outputs["efficiency"] = [efficiency_table(lra)]
         for stem in ("accuracy", "efficiency"):
             outputs[stem][0].notes += selection.of_tasks(lambda task: task != RECALL_TASK).notes()
@@ -207,8 +232,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         notes = read_csv(reference / NOTES_FILE) if reference is not None else []
         outputs["published"] = [published_table(lra, published_acc, notes, shown(acc_file))]
     if recall:
-        outputs["recall"] = [recall_table(recall)]
+        outputs["recall"] = [recall_table(recall, selection.tuned)]
         outputs["recall"][0].notes += selection.of_tasks(lambda task: task == RECALL_TASK).notes()
+    if selection.tuned:
+        outputs["tuning"] = [tuning_table(selection.tuned)]
     outputs["taxonomy"] = [taxonomy_table()]
     throughput, not_records = throughput_tables(Path(args.throughput) if args.throughput else folders[0].parent / "throughput",
                                                 published_eff)
@@ -224,7 +251,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not args.no_plots and lra:
             from .plots import plot_all
 
-            written += plot_all(lra, out, backend_order(r["attn"] for r in lra), published_acc)
+            written += plot_all(lra, out, backend_order(model(r) for r in lra), published_acc)
         if not args.no_plots and recall:
             from .plots import recall_by_family, recall_vs_pairs
 

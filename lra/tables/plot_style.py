@@ -19,6 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from ..files import write_atomic  # noqa: E402
+from ..format import mechanism  # noqa: E402
 
 # the taxonomy's scaling strategies (attentions.base.Taxonomy.scaling) in the order the families are drawn
 FAMILIES = (("routing", "routing"), ("compression", "compression"), ("both", "both"), ("none", "neither"))
@@ -42,10 +43,11 @@ def save(fig: Any, path: Path) -> Path:
 
 
 def family_of(attn: str) -> str:
-    """The backend's scaling strategy ("unregistered" for a name the registry lacks)."""
+    """The backend's scaling strategy ("unregistered" for a name the registry lacks); a row of another
+    form of a backend ("reformer (chunked)", ``format.model``) is in its backend's family."""
     from attentions import scaling_of
 
-    return scaling_of(attn)
+    return scaling_of(mechanism(attn))
 
 
 def family_title(family: str) -> str:

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import matplotlib.pyplot as plt
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
+from ..format import model
 from . import plot_style
 from .plot_style import (FAMILIES, FAMILY_COLOURS, FOCUS, FOCUS_STYLE, bold_focus, by_family, family_of, family_title,
                          finish, line_styles, save)
@@ -33,12 +34,13 @@ Series = Dict[str, Dict[str, List[Dict[str, Any]]]]
 
 
 def by_series(records: List[Dict[str, Any]], order: List[str]) -> Series:
-    """Completed records by series label ("attn" or "attn (preset)" when several presets) and task."""
+    """Completed records by series label (the row, ``format.model``, or "row (preset)" when several
+    presets) and task."""
     presets = {r["preset"] for r in records}
     series: Series = defaultdict(lambda: defaultdict(list))
-    for record in sorted(records, key=lambda r: (order.index(r["attn"]) if r["attn"] in order else len(order), r["preset"])):
+    for record in sorted(records, key=lambda r: (order.index(model(r)) if model(r) in order else len(order), r["preset"])):
         if record["status"] == "completed" and record["test_acc"] is not None:
-            label = record["attn"] if len(presets) == 1 else f"{record['attn']} ({record['preset']})"
+            label = model(record) if len(presets) == 1 else f"{model(record)} ({record['preset']})"
             series[label][record["task"]].append(record)
     return series
 

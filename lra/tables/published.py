@@ -1,6 +1,7 @@
 """Published beside measured, mechanism by mechanism: each published LRA row set under the suite's
-backend of the same mechanism (the backend's ``published_as`` names its rows), with the protocol of
-every row and a note where the published row's code did something that moves its numbers.
+backend of the same mechanism (the backend's ``published_as`` names its rows; the backend's runs of
+each form its options choose, ``format.model``, in rows of their own), with the protocol of every row
+and a note where the published row's code did something that moves its numbers.
 
 A published mechanism that no backend claims keeps its rows, under "(no backend)", never dropped.
 The notes come from ``published_notes.csv`` beside ``published_lra.csv``: ``source, model, note``,
@@ -12,7 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from attentions import get_attention, list_attentions
 
-from ..format import MISSING, Table, backend_order, fmt_number
+from ..format import MISSING, Table, backend_order, fmt_number, mechanism, model
 from .summary import SOURCES, TITLES, average, grouped, published_value, seeds_text, summarize, task_list
 
 NO_BACKEND = "(no backend)"
@@ -40,9 +41,10 @@ def published_table(records: List[Dict[str, Any]], published: List[Dict[str, str
                   ["Mechanism", "Row", "Source", "Protocol", "Seeds", *(TITLES.get(t, t) for t in tasks), "Avg", "Note"])
     owner = claims()
     groups = grouped(records)
-    ours = backend_order(r["attn"] for r in records)
-    mechanisms = [n for n in list_attentions() if n in ours or any(owner.get(r["model"]) == n for r in published)]
-    mechanisms += [n for n in ours if n not in mechanisms]
+    ours = backend_order(model(r) for r in records)
+    mechanisms = [n for n in list_attentions()
+                  if any(mechanism(o) == n for o in ours) or any(owner.get(r["model"]) == n for r in published)]
+    mechanisms += list(dict.fromkeys(mechanism(o) for o in ours if mechanism(o) not in mechanisms))
     marks: Dict[str, int] = {}
     long: List[Dict[str, Any]] = []
 
@@ -62,11 +64,13 @@ def published_table(records: List[Dict[str, Any]], published: List[Dict[str, str
 
     for name in [*mechanisms, NO_BACKEND]:
         table.breaks.append(len(table.rows))
-        if name != NO_BACKEND:
-            for preset in sorted({p for p, a, _ in groups if a == name}):
-                summaries = {t: summarize(groups[(preset, name, t)], "test_acc", 100.0)
-                             for t in tasks if groups.get((preset, name, t))}
-                add(name, "this suite", "this suite", f"preset {preset}", seeds_text(summaries),
+        for form in (o for o in ours if mechanism(o) == name):
+            # "this suite", or "this suite (chunked)" for another form of the backend
+            label = "this suite" + form[len(name):]
+            for preset in sorted({p for p, a, _ in groups if a == form}):
+                summaries = {t: summarize(groups[(preset, form, t)], "test_acc", 100.0)
+                             for t in tasks if groups.get((preset, form, t))}
+                add(name, label, "this suite", f"preset {preset}", seeds_text(summaries),
                     {t: (s.mean, s.text()) for t, s in summaries.items()}, average(summaries), [])
         for row in published:
             if owner.get(row["model"], NO_BACKEND) != name:

@@ -12,9 +12,9 @@ import re
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
-from ..format import MISSING, Table, backend_order
+from ..format import MISSING, Table, backend_order, model
 from .records import levels
 from .summary import seeds_text, summarize
 
@@ -61,7 +61,7 @@ def recall_cells(records: List[Dict[str, Any]]) -> Cells:
         if record["task"] != TASK:
             continue
         level = levels(record)
-        row = Row(record["preset"], level["level"], level["vocab"], level["max_len"], record["attn"], record["attn_budget"])
+        row = Row(record["preset"], level["level"], level["vocab"], level["max_len"], model(record), record["attn_budget"])
         cells[row][level["pairs"]].append(record)
     order = backend_order(row.attn for row in cells)
     rows = sorted(cells, key=lambda r: (r.preset, r.form, r.vocab, r.n, order.index(r.attn),
@@ -69,10 +69,18 @@ def recall_cells(records: List[Dict[str, Any]]) -> Cells:
     return {row: dict(sorted(cells[row].items())) for row in rows}
 
 
-def recall_table(cells: Cells) -> Table:
+def recall_table(cells: Cells, tuned: Sequence[Any] = ()) -> Table:
+    """The recall table; with tuned cells among the records (lra/tables/tuning.py), a column of each
+    row's chosen values, one per level."""
+    from .tuning import setting_text, tuned_keys
+
     pairs = sorted({p for per_pairs in cells.values() for p in per_pairs})
+    keys = tuned_keys([c for c in tuned if c.key[2] == TASK])
+    by_key = {c.key: c for c in tuned}
+    chosen_column = [f"{', '.join(keys)} chosen ({' / '.join(map(str, pairs))} pairs)"] if keys else []
     table = Table("MQAR test accuracy (%) by number of key-value pairs",
-                  ["Model", "Protocol", "Form", "Vocab", "N", "Keys/query", "Budget", "Seeds", *(f"{p} pairs" for p in pairs)])
+                  ["Model", "Protocol", "Form", "Vocab", "N", "Keys/query", "Budget", "Seeds", *chosen_column,
+                   *(f"{p} pairs" for p in pairs)])
     table.records = []
     group = None
     for row, per_pairs in cells.items():
@@ -80,9 +88,10 @@ def recall_table(cells: Cells) -> Table:
             group = (row.preset, row.form, row.vocab, row.n)
             table.breaks.append(len(table.rows))
         summaries = {p: summarize(rs, "test_acc", 100.0) for p, rs in per_pairs.items()}
-        keys = MISSING if row.keys is None else f"{row.keys}" + (" (all)" if row.keys == row.n else "")
-        table.rows.append([row.attn, f"preset {row.preset}", row.form, str(row.vocab), str(row.n), keys, row.budget,
-                           seeds_text(summaries), *(summaries[p].text() if p in summaries else MISSING for p in pairs)])
+        keys_text = MISSING if row.keys is None else f"{row.keys}" + (" (all)" if row.keys == row.n else "")
+        shown = [setting_text([per_pairs.get(p, []) for p in pairs], by_key, keys)] if keys else []
+        table.rows.append([row.attn, f"preset {row.preset}", row.form, str(row.vocab), str(row.n), keys_text, row.budget,
+                           seeds_text(summaries), *shown, *(summaries[p].text() if p in summaries else MISSING for p in pairs)])
         for p, s in summaries.items():
             times = [r["train_time_s"] for r in per_pairs[p] if r["status"] == "completed" and r["train_time_s"] is not None]
             table.records.append({
@@ -91,6 +100,7 @@ def recall_table(cells: Cells) -> Table:
                 "acc_mean": s.mean, "acc_std": s.std, "acc_min": min(s.values, default=None),
                 "acc_max": max(s.values, default=None), "seeds": len(s.values), "diverged": s.diverged,
                 "train_time_s": statistics.fmean(times) if times else None,
+                **({"tuned": setting_text([per_pairs[p]], by_key, keys)} if keys else {}),
             })
     table.notes = [
         "Test accuracy over the query positions of the best-validation checkpoint (every key of a sequence is "

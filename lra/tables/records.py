@@ -1,6 +1,6 @@
 """Which run records the tables use: the finished ones under the run folders given, the latest per
-backend, preset, task and seed (and, for a task with levels such as MQAR's number of pairs, per
-level), and every record or run left out with the reason (unreadable, unfinished, an older
+backend (and its form, ``format.model``), preset, task and seed (and, for a task with levels such as
+MQAR's number of pairs, per level), and every record or run left out with the reason (unreadable, unfinished, an older
 duplicate, a smoke run, a run started from another's weights), which the tables print."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..config import DataConfig
 from ..errors import UserError
+from ..format import model
 from ..run.record import validate_record
 from ..tasks import get_task
 
@@ -29,11 +30,14 @@ class Selection:
     left_out: List[Tuple[Path, str]] = field(default_factory=list)
     # the task of each path above whose record could be read
     tasks: Dict[Path, str] = field(default_factory=dict)
+    # the tuned cells (lra/tables/tuning.py): each at its chosen point, with its grid
+    tuned: List[Any] = field(default_factory=list)
 
     def of_tasks(self, keep: Callable[[Optional[str]], bool]) -> "Selection":
         """The runs and left-out records whose task ``keep`` accepts (None: a record that could not be read)."""
         return Selection([p for p in self.used if keep(self.tasks.get(p))],
-                         [(p, why) for p, why in self.left_out if keep(self.tasks.get(p))], self.tasks)
+                         [(p, why) for p, why in self.left_out if keep(self.tasks.get(p))], self.tasks,
+                         [c for c in self.tuned if keep(c.key[2])])
 
     def notes(self) -> List[str]:
         """The lines the accuracy and efficiency tables carry: every run used, every record or run left out."""
@@ -76,44 +80,62 @@ def levels(record: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def load_records(folders: List[Path], include_smoke: bool = False) -> Tuple[List[Dict[str, Any]], Selection]:
-    """Finished records under the ``folders`` (the latest per backend, preset, task, seed and level), and
-    which records were used and left out: unreadable ones, unfinished runs, older duplicates and, unless
-    ``include_smoke``, smoke runs (a handful of steps: they show the pipeline runs, not what a backend learns)."""
+    """Finished records under the ``folders`` (the latest per backend and form, preset, task, seed and
+    level, and in a tuned cell per grid point: the cell then reports its chosen point, lra/tables/tuning.py), and
+    which records were used and left out: unreadable ones, unfinished runs, older duplicates, records
+    of a tuned cell off its chosen point and, unless ``include_smoke``, smoke runs (a handful of
+    steps: they show the pipeline runs, not what a backend learns). Reasons come in folder order."""
+    from .tuning import choose_cells, grids, grid_point
+
     selection = Selection()
-    latest: Dict[Tuple[Any, ...], Tuple[Dict[str, Any], Path]] = {}
-    for folder in run_folders_of(folders):
+    # (folder index, record, its path): the finished records; (folder index, path, why): the reasons
+    found: List[Tuple[int, Dict[str, Any], Path]] = []
+    said: List[Tuple[int, Path, str]] = []
+    for index, folder in enumerate(run_folders_of(folders)):
         path = folder / "record.json"
         if not path.exists():
-            selection.left_out.append((folder, "unfinished: no record.json yet; the same lra-run command resumes it"))
+            said.append((index, folder, "unfinished: no record.json yet; the same lra-run command resumes it"))
             continue
         try:
             record = read_record(path)
         except (OSError, ValueError) as err:
-            selection.left_out.append((path, f"unreadable: {err}"))
+            said.append((index, path, f"unreadable: {err}"))
             continue
         selection.tasks[path] = selection.tasks[folder] = record["task"]
         if record["status"] not in ("completed", "diverged"):
-            selection.left_out.append((path, f"status {record['status']!r}: the run has not finished"))
-            continue
-        if record["preset"] == "smoke" and not include_smoke:
-            selection.left_out.append((path, "smoke run; --include-smoke shows it"))
-            continue
-        if record.get("init_from"):
+            said.append((index, path, f"status {record['status']!r}: the run has not finished"))
+        elif record["preset"] == "smoke" and not include_smoke:
+            said.append((index, path, "smoke run; --include-smoke shows it"))
+        elif record.get("init_from"):
             # a swap-in (lra-run --init-from): not a run of the backend trained on its own
-            selection.left_out.append((path, f"started from the weights of {record['init_from'].get('run', '?')} (--init-from)"))
+            said.append((index, path, f"started from the weights of {record['init_from'].get('run', '?')} (--init-from)"))
+        else:
+            found.append((index, record, path))
+    tuned = grids([record for _, record, _ in found])
+    latest: Dict[Tuple[Any, ...], Tuple[int, Dict[str, Any], Path]] = {}
+    for index, record, path in found:
+        point, on_grid = grid_point(record, tuned)
+        if not on_grid:
+            said.append((index, path, "its tuned values lie off the tuning grid of its backend, task and level"))
             continue
         level = levels(record)
-        key = (record["attn"], record["preset"], record["task"], record["seed"], *sorted(level.items()))
+        key = (model(record), record["preset"], record["task"], record["seed"], *sorted(level.items()), point)
         same = "backend, preset, task, seed and level" if level else "backend, preset, task and seed"
+        same += " and tuned values" if point is not None else ""
         if key in latest:
-            kept, kept_path = latest[key]
+            _, kept, kept_path = latest[key]
             if str(record["finished_at"] or "") < str(kept["finished_at"] or ""):
-                selection.left_out.append((path, f"older run of the same {same} as {shown(kept_path)}"))
+                said.append((index, path, f"older run of the same {same} as {shown(kept_path)}"))
                 continue
-            selection.left_out.append((kept_path, f"older run of the same {same} as {shown(path)}"))
-        latest[key] = (record, path)
-    selection.used = sorted(path.parent for _, path in latest.values())
-    return [record for record, _ in latest.values()], selection
+            said.append((index, kept_path, f"older run of the same {same} as {shown(path)}"))
+        latest[key] = (index, record, path)
+    reported, selection.tuned, off = choose_cells([record for _, record, _ in latest.values()], tuned)
+    where = {id(record): (index, path) for index, record, path in latest.values()}
+    said += [(where[id(record)][0], where[id(record)][1], why) for record, why in off]
+    dropped = {id(record) for record, _ in off}
+    selection.left_out = [(path, why) for _, path, why in sorted(said, key=lambda s: s[0])]
+    selection.used = sorted(path.parent for _, record, path in latest.values() if id(record) not in dropped)
+    return reported, selection
 
 
 def run_folders_of(folders: List[Path]) -> List[Path]:

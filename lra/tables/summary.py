@@ -1,5 +1,5 @@
 """What the tables share: the tasks and their titles, the published sources' names, records grouped
-by (preset, backend, task) and one number summarised over a group's seeds."""
+by (preset, backend and form, task) and one number summarised over a group's seeds."""
 from __future__ import annotations
 
 import statistics
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from ..errors import UserError
-from ..format import MISSING
+from ..format import MISSING, model
 
 TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
 # the LRA average leaves Path-X out, as the papers do
@@ -61,10 +61,10 @@ def seeds_text(cells: Dict[Any, Summary]) -> str:
 
 
 def grouped(records: List[Dict[str, Any]]) -> Dict[Tuple[str, str, str], List[Dict[str, Any]]]:
-    """Records by (preset, attn, task)."""
+    """Records by (preset, row, task), the row being the backend and its form (``format.model``)."""
     groups: Dict[Tuple[str, str, str], List[Dict[str, Any]]] = defaultdict(list)
     for record in records:
-        groups[(record["preset"], record["attn"], record["task"])].append(record)
+        groups[(record["preset"], model(record), record["task"])].append(record)
     return groups
 
 

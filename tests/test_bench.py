@@ -136,7 +136,7 @@ def test_a_record_of_many_backends_is_drawn_one_family_per_column() -> None:
     import matplotlib.pyplot as plt
 
     from attentions import scaling_of
-    from lra.bench.report import FAMILY_TITLES, family_panels, plot, timed, two_panels
+    from lra.bench.plot import FAMILY_TITLES, family_panels, plot, timed, two_panels
 
     root = Path(__file__).resolve().parent.parent
     record = json.loads((root / "results/throughput/attention-all-intel-xeon-2c/record.json").read_text())

@@ -2,11 +2,14 @@
 
     lra-bench attention --attn full,mita --lengths 16k,64k        # one attention call [B, H, N, D]
     lra-bench model --lengths 64k,256k,1m                         # the MiTA paper's speed setup
+    lra-bench model --preset lra-table2                           # the LRA paper's Table 2, every backend interleaved
     lra-bench report results/throughput/NAME/record.json          # table and plot again
 
 Every point runs in its own process (lra/bench/point.py) under a time budget and, on the CPU, a
 memory cap; points that run out of memory or time are recorded as ``oom`` / ``timeout``. Full and
 top-k attention too slow to run whole are estimated from a slice of the queries (marked ``~``).
+``--interleaved`` runs every backend of one length in one process instead, timed in rounds
+(lra/bench/interleaved.py); ``--task`` times the model of a task's configuration (lra/bench/task_model.py).
 The sweep writes record.json, table.md and throughput.png to --out (see lra/bench/sweep.py,
 lra/bench/report.py).
 """
@@ -29,8 +32,10 @@ from ..config import MAX_BATCH, MAX_LAYERS, MAX_PROCESSES, MAX_WIDTH
 from ..machine import meminfo_gb
 from .flops import efficiency
 from .record import read_record
-from .report import markdown, plot, slopes
+from .plot import plot
+from .report import markdown, slopes
 from .sweep import Settings, sweep
+from .task_model import task_settings
 from ..cli import Parser, console
 from ..errors import UserError
 from ..files import output_folder, write_atomic, write_atomic_set
@@ -42,10 +47,17 @@ DEFAULT_LENGTHS = {"attention": "1k,4k,16k,64k,256k,1m", "model": "64k,256k,1m"}
 # lra-bench model --preset NAME: defaults for the model-level flags (flags given still win).
 # "lra": the encoder of the LRA paper protocol (configs/tasks/listops.yaml: 2 layers, width 64,
 # 2 heads, FFN 128, dropout 0.1) at LRA's lengths, padded batches of 8 on float32 CPU threads
+# "lra-table2": the LRA paper's efficiency benchmark (Tay et al. 2021, Table 2): the official Text model
+# (configs/tasks/text.yaml presets.official) at 1K-4K, batch 32 where every backend fits, every backend
+# interleaved with full attention in one process a length (docs/benchmarks.md says what differs)
 MODEL_PRESETS: Dict[str, Dict[str, Any]] = {
     "lra": {"layers": 2, "width": 64, "heads": 2, "ffn_dim": 128, "dropout": 0.1, "lengths": "1k,2k,4k",
             "batch": 8, "padded": True, "threads": 2},
+    "lra-table2": {"task": "text", "task_preset": "official", "lengths": "1k,2k,3k,4k", "batch": 32, "padded": True,
+                   "interleaved": True, "repeats": 3},
 }
+# the model level's encoder when neither --task nor a preset gives one (the MiTA paper's speed setup)
+MODEL_DEFAULTS: Dict[str, Any] = {"layers": 3, "width": 128, "heads": 4, "ffn_dim": 256, "dropout": 0.0}
 
 
 def parse_length(text: str) -> int:
@@ -104,7 +116,7 @@ def parser() -> Parser:
         q.add_argument("--attn", help=f"backends, comma-separated (default: all registered: {', '.join(list_attentions())}); "
                        "none: the model without attention, whose time full's is divided by for the ceiling")
         q.add_argument("--lengths", default=DEFAULT_LENGTHS[level], help=f"k = 1024, m = 1024^2 (default {DEFAULT_LENGTHS[level]})")
-        q.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+        q.add_argument("--heads", type=int, help="attention heads (default 4)")
         q.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="default: cuda if present")
         q.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"), help="default: bf16 on CUDA, fp32 on the CPU")
         q.add_argument("--budget-s", type=float, default=600.0, help="seconds a point may take (default 600)")
@@ -129,15 +141,25 @@ def parser() -> Parser:
     model.add_argument("--batch", type=int, help="fixed batch (default: searched per point, doubling from 1)")
     model.add_argument("--max-batch", type=int, default=64, help="largest batch the search tries (default 64)")
     model.add_argument("--min-gain", type=float, default=0.05, help="stop doubling below this throughput gain (default 0.05)")
-    model.add_argument("--layers", type=int, default=3, help="encoder layers (default 3)")
-    model.add_argument("--width", type=int, default=128, help="model width C (default 128)")
-    model.add_argument("--ffn-dim", type=int, default=256, help="FFN hidden width (default 256)")
-    model.add_argument("--dropout", type=float, default=0.0, help="dropout in the training step (default 0)")
+    model.add_argument("--layers", type=int, help="encoder layers (default 3)")
+    model.add_argument("--width", type=int, help="model width C (default 128)")
+    model.add_argument("--ffn-dim", type=int, help="FFN hidden width (default 256)")
+    model.add_argument("--dropout", type=float, help="dropout in the training step (default 0)")
     model.add_argument("--padded", action="store_true",
                        help="padded batches: row lengths drawn from N/2..N (the first row N), with the padding mask")
+    model.add_argument("--task", help="the model, optimizer and each backend's options of this task's configuration "
+                       "(--task-preset) in place of the layer flags; the length stays --lengths")
+    model.add_argument("--task-preset", default="paper", help="the preset of --task's configuration (default paper)")
+    model.add_argument("--interleaved", action="store_true",
+                       help="every backend at one length in one process: each one's memory step, then --repeats "
+                            "rounds of one training step of each (ratios to full from the same rounds); the batch "
+                            "is --batch, halved for every backend while one runs out of memory; --budget-s is a "
+                            "backend's at one length")
     model.add_argument("--preset", choices=sorted(MODEL_PRESETS),
                        help="defaults for the other flags; lra: LRA training shapes (2 layers, width 64, 2 heads, "
-                            "FFN 128, dropout 0.1, lengths 1k,2k,4k, padded batches of 8, 2 threads)")
+                            "FFN 128, dropout 0.1, lengths 1k,2k,4k, padded batches of 8, 2 threads); lra-table2: "
+                            "the LRA paper's Table 2 (--task text --task-preset official, lengths 1k,2k,3k,4k, "
+                            "padded batches of 32, --interleaved, 3 rounds)")
     return p
 
 
@@ -175,6 +197,24 @@ def check_ranges(args: argparse.Namespace) -> None:
         raise UserError(f"--max-mem-gb must be 0 (no cap) to {1 << 20:,}, got {args.max_mem_gb}")
 
 
+def model_values(args: argparse.Namespace, backends: List[str], options: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """The encoder's settings: the layer flags (MODEL_DEFAULTS where not given), or --task's
+    configuration (lra/bench/task_model.py), which a layer flag may not contradict."""
+    given = [name for name in MODEL_DEFAULTS if getattr(args, name, None) is not None]
+    if args.level == "model" and args.task:
+        if given:
+            flags = " and ".join(f"--{name.replace('_', '-')}" for name in given)
+            raise UserError(f"{flags}: with --task {args.task} the model is its configuration's "
+                            f"(--task-preset {args.task_preset}); drop {flags} or --task")
+        return task_settings(args.task, args.task_preset, backends, options)
+    values = {name: MODEL_DEFAULTS[name] if getattr(args, name, None) is None else getattr(args, name)
+              for name in MODEL_DEFAULTS}
+    if args.level == "model" and values["width"] % values["heads"]:
+        raise UserError(f"--width ({values['width']}) must be divisible by --heads ({values['heads']})")
+    head_dim = args.head_dim if args.level == "attention" else values["width"] // values["heads"]
+    return {**values, "head_dim": head_dim, "attn_options": options}
+
+
 def settings_from(args: argparse.Namespace) -> Settings:
     check_ranges(args)
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
@@ -182,27 +222,24 @@ def settings_from(args: argparse.Namespace) -> Settings:
         raise UserError("--device cuda: no CUDA device is visible; use --device cpu")
     dtype = {"fp32": "float32", "bf16": "bfloat16", "auto": "bfloat16" if device == "cuda" else "float32"}[args.dtype]
     level = args.level
-    width = getattr(args, "width", 128)
-    if level == "model" and width % args.heads:
-        raise UserError(f"--width ({width}) must be divisible by --heads ({args.heads})")
-    head_dim = args.head_dim if level == "attention" else width // args.heads
+    interleaved = getattr(args, "interleaved", False)
+    if interleaved and args.batch is None:
+        raise UserError("--interleaved needs --batch: the batch every backend starts at (halved while one runs out of memory)")
     backends = parse_backends(args.attn)
-    options = parse_attn_opts(args.attn_opt, backends)
+    values = model_values(args, backends, parse_attn_opts(args.attn_opt, backends))
     for backend in backends:
         # unknown or invalid options fail here, in one line, before any point runs
-        build_attention(backend, num_heads=args.heads, head_dim=head_dim, max_len=64, **options.get(backend, {}))
+        build_attention(backend, num_heads=values["heads"], head_dim=values["head_dim"], max_len=64,
+                        **values["attn_options"].get(backend, {}))
     max_mem = args.max_mem_gb
     if max_mem is None and device == "cpu":
         max_mem = round(0.8 * (meminfo_gb("MemAvailable") or 8.0), 1)
     return Settings(
         level=level, backends=backends, lengths=parse_lengths(args.lengths), device=device, dtype=dtype,
-        batch=args.batch, heads=args.heads, head_dim=head_dim, layers=getattr(args, "layers", 3), width=width,
-        ffn_dim=getattr(args, "ffn_dim", 256), dropout=getattr(args, "dropout", 0.0), budget_s=args.budget_s,
-        max_mem_gb=max_mem or None, warmup=args.warmup, repeats=args.repeats, estimate=args.estimate,
-        slice_queries=args.slice_queries, threads=args.threads, gemm_size=args.gemm_size,
+        batch=args.batch, budget_s=args.budget_s, max_mem_gb=max_mem or None, warmup=args.warmup, repeats=args.repeats,
+        estimate=args.estimate, slice_queries=args.slice_queries, threads=args.threads, gemm_size=args.gemm_size,
         max_batch=getattr(args, "max_batch", 1), min_gain=getattr(args, "min_gain", 0.0), seed=args.seed,
-        padded=getattr(args, "padded", False),
-        attn_options=options,
+        padded=getattr(args, "padded", False), interleaved=interleaved, **values,
     )
 
 

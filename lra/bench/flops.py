@@ -37,11 +37,13 @@ def point_flops(record: Dict[str, Any], point: Dict[str, Any]) -> Optional[Tuple
         scale = point["batch"] * heads
         return per_head[0] * scale, per_head[1] * scale
     width, ffn = settings["width"], settings["ffn_dim"]
-    per_head = attention_flops(point["backend"], point["length"], width // heads, options)
+    # the attention width W (a task's model.qkv_dim; else the model's width): QKV 6 C W, output 2 W C
+    attn_width = (settings.get("model") or {}).get("qkv_dim") or width
+    per_head = attention_flops(point["backend"], point["length"], attn_width // heads, options)
     if per_head is None:
         return None
     tokens = point["batch"] * point["length"]
-    dense = tokens * (8.0 * width * width + 4.0 * width * ffn)
+    dense = tokens * (8.0 * width * attn_width + 4.0 * width * ffn)
     forward = settings["layers"] * (dense + point["batch"] * heads * per_head[0])
     train = settings["layers"] * (3.0 * dense + point["batch"] * heads * per_head[1])
     return forward, train
@@ -58,6 +60,8 @@ def efficiency(record: Dict[str, Any]) -> Dict[str, Any]:
             continue
         row = {"backend": point["backend"], "length": point["length"], "estimated": point["estimated"]}
         for mode, count in zip(("forward", "train"), flops):
+            if mode not in point:  # an interleaved sweep times the training step alone
+                continue
             achieved = count / point[mode]["median_s"]
             row[f"{mode}_flops"] = count
             row[f"{mode}_flops_per_s"] = achieved

@@ -40,6 +40,18 @@ def proc_status_mb(field: str) -> float:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+def reset_peak_rss() -> bool:
+    """Set this process's peak resident set (VmHWM) back to its resident set now (Linux 4.0 and
+    later: /proc/self/clear_refs, value 5); whether it took. Lets one process measure the peaks of
+    several pieces of work in turn."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return proc_status_mb("VmHWM") <= proc_status_mb("VmRSS") + 1.0
+
+
 def cap_address_space(extra_gb: float) -> None:
     """Let the process map at most ``extra_gb`` GiB more than it maps now (RLIMIT_AS).
 

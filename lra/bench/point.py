@@ -5,7 +5,9 @@ length, batch and sizes, the time budget and the memory cap; the result (status,
 is written as JSON to the spec's ``result_path``. Running out of memory is caught here (the cap is
 an RLIMIT_AS on the CPU) and recorded as ``oom``; a budget too small for one timed run of each
 mode is recorded as ``timeout``; the parent kills a child that overruns and records that too.
-By hand: ``python -m lra.bench.point SPEC.json`` (the spec names result_path and log_path).
+A spec that names ``backends`` runs them all at one length in this one process, interleaved
+(lra/bench/interleaved.py). By hand: ``python -m lra.bench.point SPEC.json`` (the spec names
+result_path and log_path).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -138,8 +140,9 @@ def gemm_point(
 LEVELS = {"attention": attention_point, "model": model_point, "gemm": gemm_point}
 
 
-def run_point(spec: Dict[str, Any]) -> Dict[str, Any]:
-    """Measure the point described by ``spec``; every outcome is a result with a status."""
+def prepare(spec: Dict[str, Any]) -> Tuple[torch.device, torch.dtype]:
+    """The point's process set up: threads, allocator, seed, the thread pool (and CUDA) started, then
+    the memory cap; its device and dtype."""
     device = torch.device(spec["device"])
     dtype = DTYPES[spec["dtype"]]
     if spec["threads"]:
@@ -154,6 +157,12 @@ def run_point(spec: Dict[str, Any]) -> Dict[str, Any]:
             torch.cuda.set_per_process_memory_fraction(min(1.0, spec["max_mem_gb"] * 2**30 / total), device)
         else:
             cap_address_space(spec["max_mem_gb"])
+    return device, dtype
+
+
+def run_point(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """Measure the point described by ``spec``; every outcome is a result with a status."""
+    device, dtype = prepare(spec)
     memory = PeakMemory(device)
     start = time.perf_counter()
     kernel = kernel_of(spec["backend"], device, spec["attn_options"]) if spec["level"] != "gemm" else "torch.mm"
@@ -174,13 +183,19 @@ def run_point(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def child(spec_path: str) -> None:
-    """Entry of the point's process: read the spec, measure, write the result (stderr to the log)."""
+    """Entry of the point's process: read the spec, measure, write the result (stderr to the log).
+    A spec that names ``backends`` is every backend at one length, interleaved (lra/bench/interleaved.py)."""
     with open(spec_path) as f:
         spec = json.load(f)
     log = open(spec["log_path"], "w")
     os.dup2(log.fileno(), 2)
     try:
-        result = run_point(spec)
+        if "backends" in spec:
+            from .interleaved import run_interleaved
+
+            result = run_interleaved(spec)
+        else:
+            result = run_point(spec)
     except Exception as err:  # noqa: BLE001 - reported to the parent as the point's error
         traceback.print_exc()
         result = {"status": "error", "message": f"{type(err).__name__}: {err}".splitlines()[0][:300]}

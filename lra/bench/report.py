@@ -1,4 +1,4 @@
-"""A throughput record -> slopes, a markdown table and a log-log plot.
+"""A throughput record -> slopes and markdown tables (its plot: lra/bench/plot.py).
 
 The slope of time against N on log-log axes is the exponent of the cost: about 2 for full
 attention, about 1 for a linear-cost method. It is fitted by least squares over every point that
@@ -12,7 +12,7 @@ the largest speed-up any backend can reach, and each backend's share of it,
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from attentions import is_timing_reference
 
@@ -35,6 +35,11 @@ def loglog_slope(lengths: Sequence[float], times: Sequence[float]) -> Optional[f
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
+def modes_of(record: Dict[str, Any]) -> Tuple[str, ...]:
+    """The modes a record's points timed: an interleaved sweep times the training step alone."""
+    return ("train",) if record["settings"].get("interleaved") else ("forward", "train")
+
+
 def slopes(record: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
     """Per backend and mode: the fitted slope, the slope over the two longest lengths, the points used."""
     out: Dict[str, Dict[str, Any]] = {}
@@ -42,7 +47,7 @@ def slopes(record: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
         points = [p for p in record["points"] if p["backend"] == backend and p["status"] in TIMED]
         entry: Dict[str, Any] = {"lengths": [p["length"] for p in points],
                                  "estimated_lengths": [p["length"] for p in points if p["estimated"]]}
-        for mode in ("forward", "train"):
+        for mode in modes_of(record):
             # time per token-sequence: divide by the batch, which the model level searches per point
             times = [p[mode]["median_s"] / p["batch"] for p in points]
             lengths = [p["length"] for p in points]
@@ -152,6 +157,16 @@ def ceiling_of(index: Dict[Any, Dict[str, Any]]) -> str:
     return next((b for b, _ in index if is_timing_reference(b)), "none")
 
 
+def model_text(s: Dict[str, Any]) -> str:
+    """The encoder of a model-level record in a few words."""
+    if s.get("task"):
+        m = s["model"]
+        return (f"the {s['task']} model of its {s['task_preset']} configuration ({m['num_layers']} layers, width "
+                f"{m['dim']}, {m['num_heads']} heads of {s['head_dim']}, FFN {m['ffn_dim']}, dropout {m['dropout']}, "
+                f"{m['pooling']} pooling, {m['positions']} positions; optimizer {s['train']['optimizer']})")
+    return f"{s['layers']}-layer encoder, width {s['width']}, {s['heads']} heads, FFN {s['ffn_dim']}"
+
+
 def header(record: Dict[str, Any]) -> List[str]:
     s, hw = record["settings"], record["hardware"]
     if record["level"] == "attention":
@@ -159,9 +174,17 @@ def header(record: Dict[str, Any]) -> List[str]:
         modes = "forward = one call in inference mode; train = forward + backward"
     else:
         batch = "searched per point" if s["batch"] is None else str(s["batch"])
-        what = (f"{s['layers']}-layer encoder, width {s['width']}, {s['heads']} heads, FFN {s['ffn_dim']}, "
-                f"batch {batch}" + (", padded rows (lengths N/2..N, masked)" if s.get("padded") else ""))
-        modes = "forward = one inference step; train = forward + backward + AdamW step"
+        if s.get("interleaved"):
+            batch = f"{batch}, halved for every backend while one runs out of memory"
+        what = (f"{model_text(s)}, batch {batch}" + (", padded rows (lengths N/2..N, masked)" if s.get("padded") else ""))
+        modes = "forward = one inference step; train = forward + backward + optimizer step"
+    timing = (f"Median of up to {s['repeats']} timed runs after {s['warmup']} warm-up run(s); "
+              f"budget {s['budget_s']:.0f} s a point")
+    if s.get("interleaved"):
+        modes = ("train = forward + backward + optimizer step; interleaved: every backend at one length in one "
+                 "process, on the same batch, one step of each a round")
+        timing = (f"Median of {s['repeats']} rounds after each backend's first step (its memory step) and "
+                  f"{s['warmup'] - 1} untimed round(s); budget {s['budget_s']:.0f} s a backend and length")
     load = record["load_average"]
     without = "a call that returns v" if record["level"] == "attention" else "the model with out = v in place of attention"
     threads = s["threads"] or hw["torch_threads"]
@@ -172,8 +195,7 @@ def header(record: Dict[str, Any]) -> List[str]:
         f"{describe(hw)} ({threads} torch thread{'s' if threads != 1 else ''}); {s['dtype']}; torch {record['versions']['torch']}; "
         f"commit {record['versions']['git_commit']}; load average (1 min) {load['start'][0]} at start, "
         f"{load.get('end', ['?'])[0]} at end.",
-        f"{modes}. Median of up to {s['repeats']} timed runs after {s['warmup']} warm-up run(s); "
-        f"budget {s['budget_s']:.0f} s a point{cap}.",
+        f"{modes}. {timing}{cap}.",
         "`~` = estimated from a slice of the queries against all N keys (cost linear in the queries); "
         "`(status)` = not run, the backend already failed at a shorter length.",
     ] + ([
@@ -192,23 +214,40 @@ def efficiency_lines(record: Dict[str, Any]) -> List[str]:
     gemm = record.get("gemm") or {}
     if eff["gemm_flops_per_s"] is None:
         return []
+    modes = modes_of(record)
     lines = [f"**Fraction of the matmul rate** ({gemm['size']}x{gemm['size']} {gemm['dtype']} GEMM: "
              f"{eff['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s; FLOPs counted analytically, lra/bench/flops.py)", "",
-             "| backend | N | forward GFLOP/s | forward fraction | train GFLOP/s | train fraction |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| backend | N | " + " | ".join(f"{m} GFLOP/s | {m} fraction" for m in modes) + " |",
+             "|---|---:|" + "---:|---:|" * len(modes)]
     for row in eff["points"]:
         mark = "~" if row["estimated"] else ""
-        lines.append(
-            f"| {row['backend']} | {fmt_length(row['length'])} | {mark}{row['forward_flops_per_s'] / 1e9:.3g} | "
-            f"{mark}{row['forward_fraction']:.1%} | {mark}{row['train_flops_per_s'] / 1e9:.3g} | {mark}{row['train_fraction']:.1%} |"
-        )
+        lines.append(f"| {row['backend']} | {fmt_length(row['length'])} | " + " | ".join(
+            f"{mark}{row[f'{m}_flops_per_s'] / 1e9:.3g} | {mark}{row[f'{m}_fraction']:.1%}" for m in modes) + " |")
     return lines + [""]
+
+
+def memory_ratio(point: Dict[str, Any], index: Dict[Any, Dict[str, Any]]) -> str:
+    """Peak memory and its ratio to full attention's at the same length."""
+    full = index.get(("full", point["length"]))
+    mine, theirs = point.get("peak_mem_mb"), (full or {}).get("peak_mem_mb")
+    if mine is None:
+        return "n/a"
+    return fmt_mem(mine) + (f" ({fmt_ratio(mine / theirs)})" if theirs and full["status"] in TIMED else "")
+
+
+def steps_ratio(point: Dict[str, Any], index: Dict[Any, Dict[str, Any]]) -> str:
+    """Training steps per second and their ratio to full attention's at the same length."""
+    rate = 1.0 / point["train"]["median_s"]
+    return f"{rate:.3g} ({speedup('train')(point, index)})"
 
 
 def markdown(record: Dict[str, Any]) -> str:
     """The record as markdown tables: throughput, time, memory, speedup, slopes, efficiency."""
     lines = header(record)
     with_full = "full" in record["settings"]["backends"]
+    if record["settings"].get("interleaved"):
+        lines += grid(record, "Training steps per second (× full's, same rounds)", steps_ratio)
+        lines += grid(record, f"Peak memory (× full's; {memory_kind(record)})", memory_ratio)
     lines += grid(record, "Train throughput (tokens/s)", lambda p, _: fmt_count(p["tokens_per_s"]["train"]))
     lines += grid(record, "Train speedup over full", speedup("train"), ceiling=True) if with_full else []
     others = [b for b in record["settings"]["backends"] if b != "full" and not is_timing_reference(b)]
@@ -216,134 +255,52 @@ def markdown(record: Dict[str, Any]) -> str:
         lines += grid(record, "Train share of the ceiling", ceiling_share("train"), others)
     lines += grid(record, "Train time (median, spread)",
                   lambda p, _: f"{fmt_time(p['train']['median_s'])} ±{p['train']['spread']:.0%}")
-    lines += grid(record, "Forward throughput (tokens/s)", lambda p, _: fmt_count(p["tokens_per_s"]["forward"]))
-    lines += grid(record, "Forward speedup over full", speedup("forward"), ceiling=True) if with_full else []
-    lines += grid(record, f"Peak memory ({memory_kind(record)})", lambda p, _: fmt_mem(p.get("peak_mem_mb")))
+    if "forward" in modes_of(record):
+        lines += grid(record, "Forward throughput (tokens/s)", lambda p, _: fmt_count(p["tokens_per_s"]["forward"]))
+        lines += grid(record, "Forward speedup over full", speedup("forward"), ceiling=True) if with_full else []
+        lines += grid(record, f"Peak memory ({memory_kind(record)})", lambda p, _: fmt_mem(p.get("peak_mem_mb")))
     if record["level"] == "model":
         lines += grid(record, "Batch size", lambda p, _: str(p["batch"]))
+    lines += per_length_lines(record)
+    modes = modes_of(record)
     lines += ["**Slope of time against N (log-log)**: fit over all lengths / over the two longest", "",
-              "| backend | forward | train |", "|---|---:|---:|"]
+              "| backend | " + " | ".join(modes) + " |", "|---|" + "---:|" * len(modes)]
     for backend, entry in record["slopes"].items():
         est = " (with estimates)" if entry["estimated_lengths"] else ""
-        lines.append(f"| {label(backend)}{est} | {fmt_slope(entry['forward'])} / {fmt_slope(entry['forward_last_two'])} | "
-                     f"{fmt_slope(entry['train'])} / {fmt_slope(entry['train_last_two'])} |")
+        lines.append(f"| {label(backend)}{est} | "
+                     + " | ".join(f"{fmt_slope(entry[m])} / {fmt_slope(entry[f'{m}_last_two'])}" for m in modes) + " |")
     lines.append("")
     lines += efficiency_lines(record)
     return "\n".join(lines)
 
 
+def per_length_lines(record: Dict[str, Any]) -> List[str]:
+    """An interleaved sweep's processes: each length's batch, the batches that ran out of memory
+    first, the allocator setting of its rounds and the load average around them."""
+    rows = record.get("per_length") or []
+    if not rows:
+        return []
+    lines = ["**Each length's process** (batches tried: the first backend that ran out of memory at each)", "",
+             "| N | batch | batches tried | rounds timed with | load average (1 min) at start / end |",
+             "|---:|---:|---|---|---|"]
+    for row in rows:
+        tried = "; ".join(f"{t['batch']}: {t['status']}" + (f" ({t['message'][:80]})" if t["status"] != "ok" else "")
+                          for t in row["batches_tried"])
+        load = row.get("load_average") or {}
+        ends = " / ".join("?" if not load.get(k) else f"{load[k][0]}" for k in ("start", "end"))
+        lines.append(f"| {fmt_length(row['length'])} | {row['batch']} | {tried} | {row.get('allocator') or 'n/a'} | {ends} |")
+    return lines + [""]
+
+
 def memory_kind(record: Dict[str, Any]) -> str:
+    if record.get("settings", {}).get("interleaved"):
+        if record["hardware"]["device"] == "cuda":
+            return ("torch.cuda.max_memory_allocated during the backend's build and first step, minus what was "
+                    "allocated before it")
+        return ("peak RSS during the backend's build and first step, minus the RSS before it (heap trimmed and peak "
+                "reset before each backend)")
     if record["hardware"]["device"] == "cuda":
         return "torch.cuda.max_memory_allocated"
     if "timed runs with every freed block kept" in record.get("versions", {}).get("allocator", ""):
         return "peak RSS of the point's process until its timed runs, minus its RSS before the point"
     return "peak RSS of the point's process minus its RSS before the point"
-
-
-# more backends than this in a record: one panel per family instead of one for all
-FAMILY_PANELS_FROM = 9
-FAMILY_TITLES = {"routing": "routing", "compression": "compression", "both": "routing and compression",
-                 "none": "neither: every key", "unregistered": "not registered"}
-
-
-def timed(record: Dict[str, Any], backend: str) -> List[Dict[str, Any]]:
-    return [p for p in record["points"] if p["backend"] == backend and p["status"] in TIMED]
-
-
-def plot(record: Dict[str, Any]) -> bytes:
-    """Log-log plot (PNG) against N: train throughput and peak memory for a few backends; for many, one
-    column per family (the taxonomy's scaling strategy) of train time and peak memory, with full attention
-    and guides of slope 1 and 2 in every time panel, so each backend's cost curve reads off its panel.
-    Hollow markers and dashed lines are estimates."""
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    backends = [b for b in record["settings"]["backends"] if timed(record, b)]
-    fig = (family_panels(plt, record, backends) if len(backends) >= FAMILY_PANELS_FROM
-           else two_panels(plt, record, backends))
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    plt.close(fig)
-    return buffer.getvalue()
-
-
-def draw(ax: Any, points: List[Dict[str, Any]], value: Callable[[Dict[str, Any]], float], **style: Any) -> Any:
-    """One backend's line through its points, dashed where any is an estimate, hollow markers on estimates."""
-    dashed = "--" if any(p["estimated"] for p in points) else "-"
-    line, = ax.plot([p["length"] for p in points], [value(p) for p in points], dashed, **style)
-    for p in points:
-        ax.plot(p["length"], value(p), "o", ms=4, mfc="none" if p["estimated"] else line.get_color(),
-                color=line.get_color())
-    return line
-
-
-def axes_style(ax: Any, lengths: List[int], label: str) -> None:
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(lengths, [fmt_length(n) for n in lengths])
-    ax.set_xlabel("sequence length N")
-    ax.set_ylabel(label)
-    ax.grid(True, which="both", alpha=0.3)
-
-
-def two_panels(plt: Any, record: Dict[str, Any], backends: List[str]) -> Any:
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for backend in backends:
-        points = timed(record, backend)
-        line = draw(ax_t, points, lambda p: p["tokens_per_s"]["train"], label=backend)
-        mem = [(p["length"], p["peak_mem_mb"]) for p in points if p.get("peak_mem_mb") is not None]
-        if mem:
-            ax_m.plot(*zip(*mem), "o-", color=line.get_color(), label=backend)
-    lengths = record["settings"]["lengths"]
-    for ax, label in ((ax_t, "train tokens / s"), (ax_m, "peak memory (MB)")):
-        axes_style(ax, lengths, label)
-        if ax.get_lines():
-            ax.legend(fontsize=8)
-    ax_t.set_title(f"train throughput, {record['level']} level, {describe(record['hardware'])}", fontsize=9)
-    ax_m.set_title("peak memory (estimated points have none: their lines are dashed)", fontsize=9)
-    return fig
-
-
-def family_panels(plt: Any, record: Dict[str, Any], backends: List[str]) -> Any:
-    from attentions import scaling_of
-
-    families: Dict[str, List[str]] = {}
-    for backend in backends:
-        families.setdefault(scaling_of(backend), []).append(backend)
-    order = [f for f in FAMILY_TITLES if f in families]
-    fig, axes = plt.subplots(2, len(order), figsize=(4.2 * len(order), 7.6), squeeze=False, sharey="row")
-    lengths = record["settings"]["lengths"]
-    reference = timed(record, "full")
-    for column, family in enumerate(order):
-        ax_t, ax_m = axes[0][column], axes[1][column]
-        if reference:
-            # guides through full attention's first point: the cost of a linear and of a quadratic method
-            n0, t0 = reference[0]["length"], reference[0]["train"]["median_s"]
-            ends = [n0, lengths[-1]]
-            ax_t.plot(ends, [t0 * n / n0 for n in ends], ":", color="grey", lw=1, label="slope 1 (cost ~ N)")
-            ax_t.plot(ends, [t0 * (n / n0) ** 2 for n in ends], "-.", color="grey", lw=1, label="slope 2 (cost ~ N^2)")
-            if family != scaling_of("full"):
-                draw(ax_t, reference, lambda p: p["train"]["median_s"], color="black", lw=1, label="full")
-        others = [b for b in families[family] if b != "full"]
-        for backend in families[family]:
-            points = timed(record, backend)
-            colour = "black" if backend == "full" else f"C{others.index(backend) % 10}"
-            draw(ax_t, points, lambda p: p["train"]["median_s"], color=colour, label=backend)
-            mem = [(p["length"], p["peak_mem_mb"]) for p in points if p.get("peak_mem_mb") is not None]
-            if mem:
-                ax_m.plot(*zip(*mem), "o-", ms=4, color=colour, label=backend)
-        axes_style(ax_t, lengths, "train time per call (s)" if column == 0 else "")
-        axes_style(ax_m, lengths, "peak memory (MB)" if column == 0 else "")
-        ax_t.set_title(FAMILY_TITLES[family], fontsize=10)
-        ax_t.legend(fontsize=7, loc="upper left")
-        if ax_m.get_lines():
-            ax_m.legend(fontsize=7, loc="upper left")
-    fig.suptitle(f"one attention call (forward + backward), {record['level']} level, {describe(record['hardware'])}: "
-                 "time and memory against N by family (hollow, dashed: estimated from a slice of the queries)",
-                 fontsize=9)
-    return fig

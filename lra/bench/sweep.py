@@ -7,6 +7,10 @@ or ``timeout``; longer lengths of that backend are then recorded with the same s
 per point: 1, 2, 4, ... until a batch fails, stops gaining ``min_gain`` throughput, reaches
 ``max_batch`` or is estimated (an estimate is linear in the batch); every trial is kept in
 ``batch_search`` and the best one is the point.
+
+Interleaved (model level, ``--interleaved``): every backend at one length runs in one child
+process instead (lra/bench/interleaved.py), their training steps timed in rounds, at one batch for
+all: the given batch, halved for every backend while one of them runs out of memory.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from tqdm import tqdm
@@ -61,6 +65,16 @@ class Settings:
     # seconds a child may run past its budget (to finish the run in flight) before it is killed
     slack_s: float = 60.0
     attn_options: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    # model level: every backend at one length in one process, timed in rounds (lra/bench/interleaved.py)
+    interleaved: bool = False
+    # model level, --task: the model (ModelConfig), optimizer (TrainConfig values), vocabulary and
+    # classes of a task's configuration under a preset; empty: the layer flags' encoder
+    task: str = ""
+    task_preset: str = ""
+    model: Dict[str, Any] = field(default_factory=dict)
+    train: Dict[str, Any] = field(default_factory=dict)
+    vocab_size: int = 0
+    num_classes: int = 0
 
 
 def child_context() -> multiprocessing.context.BaseContext:
@@ -78,24 +92,29 @@ def run_child(spec: Dict[str, Any], workdir: Path) -> Dict[str, Any]:
     write_atomic(spec_path, json.dumps({**spec, "result_path": str(result_path), "log_path": str(log_path)}).encode())
     proc = child_context().Process(target=bench_point.child, args=(str(spec_path),), daemon=True)
     proc.start()
-    limit = spec["budget_s"] + spec["slack_s"]
+    limit = spec.get("limit_s") or spec["budget_s"] + spec["slack_s"]
     proc.join(limit)
     if proc.is_alive():
         proc.kill()
         proc.join()
-        return {"status": "timeout", "message": f"killed after {limit:.0f} s (budget {spec['budget_s']:.0f} s)"}
-    if result_path.exists():
-        return json.loads(result_path.read_text())
+        killed = {"status": "timeout", "message": f"killed after {limit:.0f} s (budget {spec['budget_s']:.0f} s)"}
+        # an interleaved child saves what it measured as it goes: keep that
+        return {**json.loads(result_path.read_text()), **killed} if result_path.exists() else killed
+    # an interleaved child that died part-way leaves a result still "running"
+    saved = json.loads(result_path.read_text()) if result_path.exists() else {}
+    if saved and saved.get("status") != "running":
+        return saved
     if proc.exitcode == -signal.SIGKILL:
-        return {"status": "oom", "message": "killed by SIGKILL (the kernel's OOM killer?); set --max-mem-gb lower"}
+        return {**saved, "status": "oom",
+                "message": "killed by SIGKILL (the kernel's OOM killer?); set --max-mem-gb lower"}
     log = log_path.read_text().strip().splitlines() if log_path.exists() else []
     tail = (log or ["no output"])[-1][:300]
-    return {"status": "error", "message": f"exit status {proc.exitcode}: {tail}"}
+    return {**saved, "status": "error", "message": f"exit status {proc.exitcode}: {tail}"}
 
 
 def child_spec(settings: Settings, backend: str, length: int, batch: int) -> Dict[str, Any]:
     spec = dataclasses.asdict(settings)
-    for key in ("backends", "lengths", "batch", "attn_options", "max_batch", "min_gain"):
+    for key in ("backends", "lengths", "batch", "attn_options", "max_batch", "min_gain", "interleaved"):
         spec.pop(key)
     return {**spec, "backend": backend, "length": length, "batch": batch,
             "attn_options": settings.attn_options.get(backend, {})}
@@ -154,13 +173,17 @@ def measure_gemm(settings: Settings, workdir: Path) -> Optional[Dict[str, Any]]:
     return {**run_child(spec, workdir), "dtype": settings.dtype}
 
 
+# settings of --task, left out of a record without it
+TASK_FIELDS = ("task", "task_preset", "model", "train", "vocab_size", "num_classes")
 # settings that mean nothing at the other level, left out of its record
-UNUSED = {"attention": ("layers", "width", "ffn_dim", "dropout", "max_batch", "min_gain", "padded"), "model": ()}
+UNUSED = {"attention": ("layers", "width", "ffn_dim", "dropout", "max_batch", "min_gain", "padded", "interleaved",
+                        *TASK_FIELDS), "model": ()}
 
 
 def recorded_settings(settings: Settings) -> Dict[str, Any]:
     values = dataclasses.asdict(settings)
-    return {key: value for key, value in values.items() if key not in UNUSED[settings.level]}
+    unused = UNUSED[settings.level] + (() if settings.task else TASK_FIELDS)
+    return {key: value for key, value in values.items() if key not in unused}
 
 
 def sweep(settings: Settings, quiet: bool = False, on_point: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
@@ -177,7 +200,6 @@ def sweep(settings: Settings, quiet: bool = False, on_point: Optional[Callable[[
         "load_average": {"start": load_average()},
         "points": [],
     }
-    blocked: Dict[str, Dict[str, Any]] = {}
     total = len(settings.lengths) * len(settings.backends) + (settings.gemm_size > 0)
     bar = tqdm(total=total, disable=quiet, unit="point", dynamic_ncols=True, file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="lra-bench-") as tmp:
@@ -185,26 +207,90 @@ def sweep(settings: Settings, quiet: bool = False, on_point: Optional[Callable[[
         bar.set_description("gemm")
         record["gemm"] = measure_gemm(settings, workdir)
         bar.update(settings.gemm_size > 0)
-        for length in settings.lengths:
-            for backend in settings.backends:
-                bar.set_description(f"{backend} N={length}")
-                if backend in blocked:
-                    first = blocked[backend]
-                    point = {"status": first["status"], "skipped": True, "batch": first["batch"],
-                             "message": f"not run: {first['status']} at N={fmt_length(first['length'])}"}
-                else:
-                    point = measure_point(settings, backend, length, workdir)
-                    point.setdefault("skipped", False)
-                point = {"backend": backend, "length": length, **point}
-                point.setdefault("estimated", False)
-                if point["status"] in ("oom", "timeout") and backend not in blocked:
-                    blocked[backend] = point
-                record["points"].append(point)
-                bar.update(1)
-                bar.set_postfix_str(f"{backend} N={length}: {point['status']}")
-                if on_point is not None:
-                    on_point(record)
+        points = interleaved_points if settings.interleaved else separate_points
+        for point in points(settings, record, workdir, bar):
+            record["points"].append(point)
+            bar.update(1)
+            bar.set_postfix_str(f"{point['backend']} N={point['length']}: {point['status']}")
+            if on_point is not None:
+                on_point(record)
     bar.close()
     record["load_average"]["end"] = load_average()
     record["finished_at"] = now()
     return record
+
+
+def not_run(first: Dict[str, Any]) -> Dict[str, Any]:
+    """A point of a backend that already failed at a shorter length, with that failure's status."""
+    return {"status": first["status"], "skipped": True, "batch": first["batch"], "estimated": False,
+            "message": f"not run: {first['status']} at N={fmt_length(first['length'])}"}
+
+
+def separate_points(settings: Settings, record: Dict[str, Any], workdir: Path, bar: tqdm) -> Iterator[Dict[str, Any]]:
+    """Every (length, backend) point in a process of its own, shortest length first."""
+    blocked: Dict[str, Dict[str, Any]] = {}
+    for length in settings.lengths:
+        for backend in settings.backends:
+            bar.set_description(f"{backend} N={length}")
+            if backend in blocked:
+                point = not_run(blocked[backend])
+            else:
+                point = measure_point(settings, backend, length, workdir)
+                point.setdefault("skipped", False)
+            point = {"backend": backend, "length": length, **point}
+            point.setdefault("estimated", False)
+            if point["status"] in ("oom", "timeout") and backend not in blocked:
+                blocked[backend] = point
+            yield point
+
+
+def interleaved_length(settings: Settings, backends: List[str], length: int, batch: int, order: List[str],
+                       workdir: Path) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
+    """Every backend at ``length`` in one process (lra/bench/interleaved.py), from ``batch`` down by
+    halves until every backend's step fits in memory (or batch 1); the last process's result and
+    every batch tried."""
+    tried: List[Dict[str, Any]] = []
+    while True:
+        spec = {**child_spec(settings, "", length, batch), "backends": backends, "memory_order": order,
+                "attn_options": {b: settings.attn_options.get(b, {}) for b in backends}, "halve_on_oom": batch > 1,
+                "limit_s": len(backends) * settings.budget_s + settings.slack_s}
+        result = run_child(spec, workdir)
+        tried.append({"batch": batch, "status": result["status"], "message": result.get("message", "")})
+        # out of memory: a backend's step at this batch (``halve``), or the process killed for it
+        if result["status"] != "oom" or batch == 1:
+            return result, tried
+        batch //= 2
+
+
+def interleaved_points(settings: Settings, record: Dict[str, Any], workdir: Path, bar: tqdm) -> Iterator[Dict[str, Any]]:
+    """Every backend at one length in one process, shortest length first; each length starts at the
+    batch the previous one ended at, its memory steps the hungriest backend there first. What each
+    length's process did (batches tried, allocator, load) goes to ``record["per_length"]``."""
+    blocked: Dict[str, Dict[str, Any]] = {}
+    batch, order = settings.batch or 1, list(settings.backends)
+    record["per_length"] = []
+    for length in settings.lengths:
+        here = [b for b in settings.backends if b not in blocked]
+        bar.set_description(f"N={length}, {len(here)} backends interleaved")
+        first = [b for b in order if b in here]
+        result, tried = interleaved_length(settings, here, length, batch, first, workdir) if here else ({}, [])
+        batch = result.get("batch", batch)
+        measured = result.get("points") or {}
+        record["per_length"].append({
+            "length": length, "batch": batch, "batches_tried": tried, "allocator": result.get("allocator"),
+            "load_average": {"start": result.get("load_average"), "end": result.get("load_average_end")}})
+        for backend in settings.backends:
+            if backend in blocked:
+                yield {"backend": backend, "length": length, **not_run(blocked[backend])}
+                continue
+            point = dict(measured.get(backend) or {})
+            if point.get("status") in (None, "pending", "running"):
+                # the process ended (killed, out of memory, or an error) before this backend was measured
+                status = result.get("status") if result.get("status") in ("timeout", "oom") else "error"
+                point.update(status=status, message=result.get("message", "the length's process ended first"))
+            point = {"backend": backend, "length": length, "batch": batch, "skipped": False, "estimated": False,
+                     **with_throughput(point, batch, length)}
+            if point["status"] in ("oom", "timeout"):
+                blocked[backend] = point
+            yield point
+        order = sorted(here, key=lambda b: -((measured.get(b) or {}).get("peak_mem_mb") or 0.0))

@@ -7,7 +7,9 @@ records in results/runs, never a user's ./runs unless named) and prints our numb
 published ones (``lra/reference/published_lra.csv`` and ``published_efficiency.csv``, package data). Writes
 ``<out>/{accuracy,efficiency,taxonomy,throughput}.{md,csv,tex}``, ``published.{md,csv,tex}`` (each
 published row under the suite's backend of the same mechanism, with its protocol and notes:
-``published.py``), two PNG plots of the LRA records, and, when MQAR records are among them, ``recall.{md,csv,tex}``, ``recall_vs_pairs.png``
+``published.py``), two PNG plots of the LRA records, ``lra_table2.{md,csv,tex}`` and
+``lra_table2-<record folder>.png`` when the throughput records hold an interleaved Text sweep (the LRA
+paper's Table 2 regenerated beside its published rows: ``table2.py``), and, when MQAR records are among them, ``recall.{md,csv,tex}``, ``recall_vs_pairs.png``
 (accuracy per backend and number of key-value pairs; ``recall.py``) and ``recall_by_family.png`` (every backend's
 recall, grouped by the taxonomy's scaling strategy), each file atomically, and
 prints the Markdown tables. A diverged run shows as "diverged", never as a number. The accuracy,
@@ -34,6 +36,7 @@ from .recall import TASK as RECALL_TASK, recall_cells, recall_table
 from .records import load_records, shown
 from .summary import SOURCES, TITLES, Summary, average, grouped, published_value, seeds_text, summarize, task_list
 from .taxonomy import taxonomy_table
+from .table2 import published_rows, table2_tables
 from .throughput import throughput_tables
 from .tuning import tuning_table
 
@@ -228,8 +231,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             outputs[stem][0].notes += selection.of_tasks(lambda task: task != RECALL_TASK).notes()
         if published_eff:
             outputs["efficiency"].append(published_efficiency_table(published_eff, shown(eff_file)))
+    notes = read_csv(reference / NOTES_FILE) if reference is not None else []
     if published_acc:
-        notes = read_csv(reference / NOTES_FILE) if reference is not None else []
         outputs["published"] = [published_table(lra, published_acc, notes, shown(acc_file))]
     if recall:
         outputs["recall"] = [recall_table(recall, selection.tuned)]
@@ -237,12 +240,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     if selection.tuned:
         outputs["tuning"] = [tuning_table(selection.tuned)]
     outputs["taxonomy"] = [taxonomy_table()]
-    throughput, not_records = throughput_tables(Path(args.throughput) if args.throughput else folders[0].parent / "throughput",
-                                                published_eff)
+    bench_folder = Path(args.throughput) if args.throughput else folders[0].parent / "throughput"
+    throughput, not_records = throughput_tables(bench_folder, published_eff)
     for why in not_records:
         print(f"lra-table: skipped {why}", file=sys.stderr)
     if throughput:
         outputs["throughput"] = throughput
+    # the LRA paper's Table 2 regenerated, from the interleaved Text records among them
+    table2 = table2_tables(bench_folder, published_eff, notes)
+    if table2:
+        outputs["lra_table2"] = [table for _, _, table in table2]
 
     written: List[Path] = []
     try:
@@ -252,6 +259,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             from .plots import plot_all
 
             written += plot_all(lra, out, backend_order(model(r) for r in lra), published_acc)
+        if not args.no_plots and table2:
+            from .table2_plot import table2_plot
+
+            for path, record, _ in table2:
+                written.append(table2_plot(record, published_rows(published_eff), out / f"lra_table2-{path.parent.name}.png"))
         if not args.no_plots and recall:
             from .plots import recall_by_family, recall_vs_pairs
 

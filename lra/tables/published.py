@@ -34,6 +34,22 @@ def note_for(notes: List[Dict[str, str]], source: str, model: str) -> List[str]:
     return own + [n["note"] for n in notes if n.get("source") == source and n.get("model") == "*"]
 
 
+class NoteMarks:
+    """Numbered marks of notes, in the order they are first used: ``marks(texts)`` -> "[1] [2]";
+    ``lines()`` the notes under the table, "[1] text"."""
+
+    def __init__(self) -> None:
+        self.numbers: Dict[str, int] = {}
+
+    def __call__(self, texts: List[str]) -> str:
+        for text in texts:
+            self.numbers.setdefault(text, len(self.numbers) + 1)
+        return " ".join(f"[{self.numbers[t]}]" for t in texts)
+
+    def lines(self) -> List[str]:
+        return [f"[{i}] {text}" for text, i in self.numbers.items()]
+
+
 def published_table(records: List[Dict[str, Any]], published: List[Dict[str, str]], notes: List[Dict[str, str]],
                     reference: str) -> Table:
     tasks = task_list(records)
@@ -45,13 +61,8 @@ def published_table(records: List[Dict[str, Any]], published: List[Dict[str, str
     mechanisms = [n for n in list_attentions()
                   if any(mechanism(o) == n for o in ours) or any(owner.get(r["model"]) == n for r in published)]
     mechanisms += list(dict.fromkeys(mechanism(o) for o in ours if mechanism(o) not in mechanisms))
-    marks: Dict[str, int] = {}
+    mark = NoteMarks()
     long: List[Dict[str, Any]] = []
-
-    def mark(texts: List[str]) -> str:
-        for text in texts:
-            marks.setdefault(text, len(marks) + 1)
-        return " ".join(f"[{marks[t]}]" for t in texts)
 
     def add(mechanism: str, label: str, source: str, protocol: str, seeds: str, cells: Dict[str, Tuple[Optional[float], str]],
             avg: Optional[float], texts: List[str]) -> None:
@@ -86,6 +97,6 @@ def published_table(records: List[Dict[str, Any]], published: List[Dict[str, str
         "Each backend's rows: ours (mean ± std over seeds, per preset), then the published rows of the same mechanism "
         "(the backend's published_as); a published mechanism no backend claims is listed under "
         f"{NO_BACKEND}. Published rows: {reference}; {MISSING} = not run or not reported.",
-        *(f"[{i}] {text}" for text, i in marks.items()),
+        *mark.lines(),
     ]
     return table

@@ -92,6 +92,8 @@ def speedup_table(path: Path, data: Dict[str, Any], published: Dict[Tuple[str, i
                   ["Backend", "Step", *(f"N={n:,}" for n in lengths)])
     for backend in backends:
         for mode, step in (("train", "training"), ("forward", "inference")):
+            if not rates[mode]:  # an interleaved sweep times the training step alone
+                continue
             cells = []
             for n in lengths:
                 mine, full = rates[mode].get((backend, n)), rates[mode].get(("full", n))

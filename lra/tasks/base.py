@@ -21,7 +21,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Sequence, Type
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple, Type
 
 import numpy as np
 
@@ -124,14 +124,14 @@ class Task:
     def example_rows(self, data: "DataConfigLike", n: int, seed: int = 0) -> Split:
         """``n`` made-up rows of this task's shape, as ``load`` gives them (tokens, lengths, labels), made
         without reading or generating any data: a run checks its backend and times its steps on them
-        before the data are read. Padded tasks' rows are half to all of ``max_len`` long."""
+        before the data are read. Padded tasks' rows are as long as ``example_lengths`` says."""
         spec, length = self.spec_for(data), self.max_len(data)
         rng = np.random.default_rng(seed)
         shape = (n, 2, length) if spec.dual else (n, length)
         tokens = rng.integers(1, max(spec.vocab_size, 2), size=shape)  # [n, L] or [n, 2, L]
         lengths = np.full(shape[:-1], length)
         if spec.padded:
-            lengths = rng.integers(max(1, length // 2), length + 1, size=shape[:-1])
+            lengths = self.example_lengths(data, shape[:-1], rng)
             tokens[np.arange(length) >= lengths[..., None]] = 0
         if spec.token_level:
             # about half the positions asked, the first one always
@@ -141,6 +141,13 @@ class Task:
         else:
             labels = rng.integers(0, spec.num_classes, size=n)  # [n]
         return Split(tokens, lengths, labels)
+
+    def example_lengths(self, data: "DataConfigLike", shape: Tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+        """The lengths of made-up rows of a padded task: half to all of ``max_len``. A task that knows
+        its rows' lengths without its data says so: whether a batch holds padding decides whether the
+        model passes a mask (a batch of whole rows takes the backends' unmasked paths)."""
+        length = self.max_len(data)
+        return rng.integers(max(1, length // 2), length + 1, size=shape)
 
     def levels(self, data: "DataConfigLike") -> Dict[str, Any]:
         """The data settings that make runs of this task different experiments, by data field name

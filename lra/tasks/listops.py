@@ -101,6 +101,12 @@ class ListOps(Task):
             return "listops"
         return f"listops_n{data.size}_seed{data.seed}"
 
+    def example_lengths(self, data: DataConfigLike, shape: Tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+        """The generator's lengths (more than MIN_LENGTH and fewer than MAX_LENGTH tokens) cut to the
+        run's ``max_len`` as its rows are: at 501 tokens or fewer every row is whole, as in the cpu preset."""
+        drawn = rng.integers(listops_gen.MIN_LENGTH + 1, listops_gen.MAX_LENGTH, size=shape)
+        return np.minimum(drawn, self.max_len(data))
+
     def split_sizes(self, data: DataConfigLike) -> Dict[str, int]:
         """The generator's sizes (those of the official release too, at the official size)."""
         return dict(zip(SPLITS, listops_gen.split_sizes(data.size)))

@@ -36,6 +36,8 @@ OPERATORS = (MIN, MAX, MED, SUM_MOD)
 VALUE_P = 0.25
 # trees a chunk keeps: they depend on (seed, chunk index) alone, and a chunk is the unit kept on disk
 CHUNK = 500
+# a kept tree has strictly more than MIN_LENGTH and fewer than MAX_LENGTH tokens (the official bounds)
+MIN_LENGTH, MAX_LENGTH = 500, 2000
 FILES = ("basic_train.tsv", "basic_val.tsv", "basic_test.tsv")
 # the folder of a generation's finished shards, inside the set's folder
 PARTS = ".parts"
@@ -108,8 +110,8 @@ def generate(
     workers: int = 1,
     max_depth: int = 10,
     max_args: int = 10,
-    min_length: int = 500,
-    max_length: int = 2000,
+    min_length: int = MIN_LENGTH,
+    max_length: int = MAX_LENGTH,
     shards: Optional["Shards"] = None,
     left: Optional[Callable[[float, int], None]] = None,
 ) -> List[Tuple[str, int]]:

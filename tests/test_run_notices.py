@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import pytest
 
@@ -69,13 +69,15 @@ def test_the_estimate_counts_the_steps_evaluations_and_rows_left(monkeypatch: py
     assert est.total_s == 60 + (3 * 24 + 3000) / 8
 
 
+@pytest.mark.parametrize("trained", [None, 3], ids=["whole-run", "first-3-steps"])
 def test_the_warm_up_is_not_counted_and_the_estimate_meets_the_real_time(
-    tmp_path: Path, listops_data: Path, isolated_registry: None
+    tmp_path: Path, listops_data: Path, isolated_registry: None, trained: Optional[int]
 ) -> None:
     """A backend whose first call at each batch size takes 1.5 s more (a kernel built for a shape) and
     every call 0.25 s: the estimate counts the steps, not the builds, and comes within 30% of the run's
     own time (scripts/estimate_check.py's comparison; one thread, and sleeps that make the steps long,
-    keep a busy machine's noise small beside them)."""
+    keep a busy machine's noise small beside them), the run trained whole or from its first 3 steps
+    extrapolated to its 8 (the check's cpu and paper cases)."""
     from attentions import load_attention_module
 
     load_attention_module(str(ROOT / "tests" / "slow_attention.py"))
@@ -83,7 +85,9 @@ def test_the_warm_up_is_not_counted_and_the_estimate_meets_the_real_time(
     check = load_script("estimate_check").check
     sets = [*TINY_LISTOPS[TINY_LISTOPS.index("--set") + 1:], "train.steps=8", "train.eval_every=4",
             "train.threads=1", "attn.sleep_s=0.25", "attn.first_s=1.5"]
-    row = check("slow", "listops", "smoke", "slow", sets, str(listops_data), tmp_path)
+    row = check("slow", "listops", "smoke", "slow", sets, str(listops_data), tmp_path, trained)
+    # validations after steps 4 and 8; the part of 3 steps validates once, after its last
+    assert (row["steps"], row["steps_trained"], row["evaluations"]) == (8, trained or 8, 2)
     # a step sleeps 0.5 s (two layers), and the first calls' 1.5 s, scaled to the batch of 8, would make it 12 s
     assert 0.45 < row["estimate_step_s"] < 4, row
-    assert abs(row["ratio"] - 1) < 0.3, row
+    assert abs(row["ratio"] - 1) < 0.3 and abs(row["step_ratio"] - 1) < 0.3, row

@@ -124,6 +124,9 @@ class Attention(nn.Module):
         line per option clamped."""
         changes: Dict[str, int] = {}
         notices: List[str] = []
+        if any(isinstance(getattr(cfg, o), int) and getattr(cfg, o) < 1 for o in cls.whole_sequence):
+            # a count below 1 covers nothing: the backend refuses it, in its own words
+            return cfg, notices
         for option, becomes in cls.whole_sequence.items():
             value = getattr(cfg, option)
             # options are read in order: a later one may count in an earlier one's units (MoBA's blocks)

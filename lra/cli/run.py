@@ -77,12 +77,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise UserError(f"--data-dir {args.data_dir} is not a folder; give the folder that holds the task's files "
                             "(create it first to have ListOps generated there)")
         cfg.data.data_dir = args.data_dir
+    warnings = []
     if os.environ.get("RANK", "0") == "0":
-        for warning in [warmup_warning(cfg.train), mask_warning(cfg.attn) if get_task(args.task).spec.padded else ""]:
-            if warning:
-                print(f"lra-run: warning: {warning}", file=sys.stderr)
+        warnings = [w for w in [warmup_warning(cfg.train), mask_warning(cfg.attn) if get_task(args.task).spec.padded else ""]
+                    if w]
     try:
-        record = train(cfg, resume=args.resume, quiet=args.quiet, estimate=not args.no_estimate)
+        record = train(cfg, resume=args.resume, quiet=args.quiet, estimate=not args.no_estimate, warnings=warnings)
     except Interrupted as err:
         print(f"lra-run: {err}", file=sys.stderr)
         return 130

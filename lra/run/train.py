@@ -13,11 +13,12 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 
 from ..config import RunConfig
+from ..errors import UserError
 from ..files import write_json_atomic
 from ..machine import environment, git_commit, load_average, matmul_rate, peak_memory_mb
 from ..tasks.base import IGNORE
@@ -30,11 +31,14 @@ from .setup import Prepared, Run, prepare, setup
 from .signals import StopSignals
 
 
-def train(cfg: RunConfig, resume: bool = False, quiet: bool = False, estimate: bool = True) -> Dict[str, Any]:
+def train(cfg: RunConfig, resume: bool = False, quiet: bool = False, estimate: bool = True,
+          warnings: Sequence[str] = ()) -> Dict[str, Any]:
     """Train ``cfg.attn`` on ``cfg.task``; write and return the result record (a dict, with ``run_dir``).
 
     The run folder is locked from when it is chosen until the record is written (or the run stops).
     ``estimate``: say before the data are read or generated what a long run will cost here (run/estimate.py).
+    ``warnings``: lines said once the model, its backend and the source of ``--init-from`` have
+    passed their checks (bad input is refused in one line, without them).
     """
     started_at = now()
     # the code this process runs: read now, since a checkout during the run changes the tree, not the code
@@ -49,6 +53,12 @@ def train(cfg: RunConfig, resume: bool = False, quiet: bool = False, estimate: b
         # DistributedDataParallel's forward would wake its gradient hooks)
         tell = estimate and not prepared.d.enabled
         sizes = prepared.task.split_sizes(cfg.data)
+        missing = prepared.task.unavailable(cfg.data) if tell and sizes is not None else ""
+        if missing:
+            # data that cannot be had are refused now, not after the seconds of the estimate
+            raise UserError(missing)
+        for line in warnings:
+            print(f"lra-run: warning: {line}", file=sys.stderr, flush=True)
         if tell and sizes is not None:
             say_estimate(prepared, sizes, steps_done(cfg, resume))
         # 3) setup: the data (generated first where missing) and the optimizer

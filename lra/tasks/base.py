@@ -108,6 +108,12 @@ class Task:
     def status(self, data_dir: str) -> DataStatus:
         raise NotImplementedError
 
+    def unavailable(self, data: "DataConfigLike") -> str:
+        """Why this data config's files cannot be had (missing, and not to be generated), when that is
+        known without reading them: a run refuses at once, before the seconds its estimate takes. ""
+        when they can be had, or when only loading them tells."""
+        return ""
+
     def spec_for(self, data: "DataConfigLike") -> TaskSpec:
         """The spec under this data config (a task whose vocabulary or length follows ``data`` overrides it)."""
         return self.spec

@@ -107,6 +107,15 @@ class ListOps(Task):
         drawn = rng.integers(listops_gen.MIN_LENGTH + 1, listops_gen.MAX_LENGTH, size=shape)
         return np.minimum(drawn, self.max_len(data))
 
+    def unavailable(self, data: DataConfigLike) -> str:
+        """The set is missing and generation is off: what to run."""
+        if data.generate or self.find(data) is not None:
+            return ""
+        return (f"listops: no basic_train/val/test.tsv in {data.data_dir}/{self.folder_name(data)} or "
+                f"{data.data_dir}/lra_release/listops-1000 (data.generate is off); make them with `lra-data generate "
+                f"listops --data-dir {data.data_dir}" + (f" --size {data.size}" if data.size else "")
+                + (f" --seed {data.seed}" if data.seed else "") + "`, or drop --set data.generate=false")
+
     def split_sizes(self, data: DataConfigLike) -> Dict[str, int]:
         """The generator's sizes (those of the official release too, at the official size)."""
         return dict(zip(SPLITS, listops_gen.split_sizes(data.size)))
@@ -147,14 +156,10 @@ class ListOps(Task):
             raise
 
     def load(self, data: DataConfigLike) -> Dict[str, Split]:
+        missing = self.unavailable(data)
+        if missing:
+            raise UserError(missing)
         folder = self.find(data)
-        if folder is None and not data.generate:
-            raise UserError(
-                f"listops: no basic_train/val/test.tsv in {data.data_dir}/{self.folder_name(data)} or "
-                f"{data.data_dir}/lra_release/listops-1000 (data.generate is off); make them with `lra-data generate "
-                f"listops --data-dir {data.data_dir}" + (f" --size {data.size}" if data.size else "")
-                + (f" --seed {data.seed}" if data.seed else "") + "`, or drop --set data.generate=false"
-            )
         if folder is None:
             try:
                 folder = self.generate(data)

@@ -17,8 +17,9 @@ built and timed like a backend but never trained or listed by default. The regis
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -98,11 +99,43 @@ class Attention(nn.Module):
     # a timing reference, not a backend to train (``none``, the model without attention): left out of
     # list_attentions() (battery, tables, sweeps), refused by lra-run, timed by lra-bench when named
     timing_only: ClassVar[bool] = False
+    # the options that count tokens (or blocks) of one sequence, with what the backend computes once
+    # one covers the whole sequence (``covers``): a value past that is clamped to it when the backend is
+    # built (``within_length``, by build_attention), with a one-line notice in ``notices``
+    whole_sequence: ClassVar[Dict[str, str]] = {}
 
     def __init__(self, dims: AttnDims, cfg: object) -> None:
         super().__init__()
         self.dims = dims
         self.cfg = cfg
+        # what build_attention clamped, one line each (within_length)
+        self.notices: List[str] = []
+
+    @classmethod
+    def covers(cls, cfg: Any, option: str, max_len: int) -> int:
+        """The value of ``option`` at which it covers a whole sequence of ``max_len`` tokens (a block or
+        a bucket of max_len tokens; a backend whose option counts otherwise says so)."""
+        return max_len
+
+    @classmethod
+    def within_length(cls, cfg: Any, max_len: int) -> Tuple[Any, List[str]]:
+        """``cfg`` with every option of ``whole_sequence`` past what a sequence of ``max_len`` tokens holds
+        clamped to it (the same output: the backend computes a longer block or window as that), and one
+        line per option clamped."""
+        changes: Dict[str, int] = {}
+        notices: List[str] = []
+        if any(isinstance(getattr(cfg, o), int) and getattr(cfg, o) < 1 for o in cls.whole_sequence):
+            # a count below 1 covers nothing: the backend refuses it, in its own words
+            return cfg, notices
+        for option, becomes in cls.whole_sequence.items():
+            value = getattr(cfg, option)
+            # options are read in order: a later one may count in an earlier one's units (MoBA's blocks)
+            reach = cls.covers(dataclasses.replace(cfg, **changes), option, max_len)
+            if max_len >= 1 and isinstance(value, int) and value > reach:
+                changes[option] = reach
+                notices.append(f"{cls.name} {option}={value} reaches past a sequence of {max_len} tokens (max_len): "
+                               f"clamped to {reach}, {becomes}")
+        return dataclasses.replace(cfg, **changes), notices
 
     def budget(self) -> str:
         """How many keys one query attends to at these settings, as a short formula with a value."""

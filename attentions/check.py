@@ -135,9 +135,10 @@ class Battery:
         return attn.to(dtype).eval()
 
     def builds(self) -> str:
-        self.build(torch.float32)
+        attn = self.build(torch.float32)
         s = self.sizes
-        return f"num_heads={s.heads}, head_dim={s.head_dim}, max_len={s.length}"
+        # an option past the battery's length is clamped, and the checks run on the clamped backend
+        return "; ".join([f"num_heads={s.heads}, head_dim={s.head_dim}, max_len={s.length}", *attn.notices])
 
     def pick_dtype(self) -> str:
         """Use float64 when a forward runs in it; return why not otherwise."""

@@ -43,7 +43,7 @@ def register(name: str) -> Callable[[Type[Attention]], Type[Attention]]:
         if not (isinstance(cls, type) and issubclass(cls, Attention)):
             raise AttentionError(f"@register({name!r}) must decorate a subclass of attentions.Attention")
         if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise AttentionError(f"an attention named {name!r} is already registered ({_REGISTRY[name].__module__})")
+            raise AttentionError(collision(name, _REGISTRY[name], cls))
         if not dataclasses.is_dataclass(cls.Config):
             raise AttentionError(f"{cls.__name__}.Config must be a dataclass of the backend's hyperparameters")
         # a missing taxonomy is not refused here: lra-check-attn reports it as that backend's failure,
@@ -53,6 +53,22 @@ def register(name: str) -> Callable[[Type[Attention]], Type[Attention]]:
         return cls
 
     return decorate
+
+
+def source_of(cls: type) -> str:
+    """The file that defines ``cls`` (its module's name when it has none)."""
+    return getattr(sys.modules.get(cls.__module__), "__file__", None) or cls.__module__
+
+
+def collision(name: str, registered: Type[Attention], new: type) -> str:
+    """Why ``new`` cannot take ``name``: which file asked for it, who has it, and what to do instead."""
+    if _builtin(registered):
+        holder = f"the built-in backend {name!r} ({registered.__module__.replace('.', '/')}.py)"
+    else:
+        holder = f"the backend {name!r} of {source_of(registered)}"
+    return (f"{source_of(new)}: @register({name!r}) takes the name of {holder}; register it under a name of its "
+            f"own, e.g. @register({name + '_mine'!r}) (a wrapper of a built-in subclasses it and takes a new name: "
+            "docs/backends.md, 'Adding a backend')")
 
 
 def _load_builtins() -> None:
@@ -203,7 +219,11 @@ def build_config(name: str, overrides: Dict[str, Any]) -> Any:
 
 
 def build_attention(name: str, *, num_heads: int, head_dim: int, max_len: int, **overrides: Any) -> Attention:
-    """Build backend ``name`` for heads of ``head_dim`` and sequences up to ``max_len`` tokens."""
+    """Build backend ``name`` for heads of ``head_dim`` and sequences up to ``max_len`` tokens. An option
+    past what a sequence holds (a block, window or bucket longer than max_len) is clamped to it, alike for
+    every backend: the module's ``notices`` say which (``Attention.within_length``)."""
     cls = get_attention(name)
-    cfg = build_config(name, overrides)
-    return cls(AttnDims(num_heads=num_heads, head_dim=head_dim, max_len=max_len), cfg)
+    cfg, notices = cls.within_length(build_config(name, overrides), max_len)
+    attn = cls(AttnDims(num_heads=num_heads, head_dim=head_dim, max_len=max_len), cfg)
+    attn.notices = notices
+    return attn

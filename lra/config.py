@@ -76,6 +76,11 @@ class TrainConfig:
     # train scripts' flax Adam: betas 0.9 / 0.98, eps 1e-9, weight decay lr * weight_decay * w
     # taken from every weight at each step, which torch's AdamW computes the same way)
     optimizer: str = "adamw"
+    # the optimizer's betas and eps; unset (None), those of train.optimizer (OPTIMIZER_VALUES), filled
+    # in when the config is resolved, so a run's config.json holds every value its optimizer uses
+    beta1: Optional[float] = None
+    beta2: Optional[float] = None
+    eps: Optional[float] = None
     # evaluate on the validation split every eval_every steps, on eval_batches batches (0 = all)
     eval_every: int = 50
     eval_batches: int = 0
@@ -98,6 +103,17 @@ class TrainConfig:
     # where the scalars of metrics.jsonl also go: none, tensorboard or wandb (lra/run/trackers.py); not
     # part of a run's identity (a run resumes under another tracker)
     tracker: str = "none"
+
+
+# (beta1, beta2, eps) of each train.optimizer: torch's AdamW defaults; flax optim.Adam as the LRA
+# JAX train scripts create it (listops/train.py:72-78 create_optimizer: beta1 0.9, beta2 0.98, eps 1e-9)
+OPTIMIZER_VALUES = {"adamw": (0.9, 0.999, 1e-8), "lra": (0.9, 0.98, 1e-9)}
+
+
+def fill_optimizer(train: Dict[str, Any]) -> Dict[str, Any]:
+    """``train`` (a TrainConfig as a dict) with the betas and eps it leaves unset taken from its optimizer."""
+    implied = OPTIMIZER_VALUES.get(train.get("optimizer", "adamw"), OPTIMIZER_VALUES["adamw"])
+    return {**train, **{k: v for k, v in zip(("beta1", "beta2", "eps"), implied) if train.get(k) is None}}
 
 
 @dataclass
@@ -302,6 +318,7 @@ def resolve(
             cfg.attn_options[key] = value
         else:
             _apply_section(cfg, section, {key: value}, "--set")
+    cfg.train = TrainConfig(**fill_optimizer(dataclasses.asdict(cfg.train)))
     validate(cfg)
     return cfg
 
@@ -323,5 +340,6 @@ def from_saved(saved: Dict[str, Any], origin: str) -> RunConfig:
                 raise UserError(f"{origin}: {err}") from err
         else:
             raise UserError(f"{origin}: unknown key {key!r}; valid: {', '.join(f.name for f in dataclasses.fields(RunConfig))}")
+    cfg.train = TrainConfig(**fill_optimizer(dataclasses.asdict(cfg.train)))
     validate(cfg)
     return cfg

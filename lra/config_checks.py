@@ -74,6 +74,10 @@ RANGES: List[Tuple[str, Callable[[Any], bool], str]] = [
     ("train.batch_size", _within(1, MAX_BATCH), _upto(MAX_BATCH, "1")),
     ("train.lr", _positive, "a positive, finite number"),
     ("train.weight_decay", _at_least(0), "0 or more, finite"),
+    # unset (None): train.optimizer's own, filled in when the config is resolved
+    ("train.beta1", lambda v: v is None or (_finite(v) and 0.0 <= v < 1.0), "in [0, 1)"),
+    ("train.beta2", lambda v: v is None or (_finite(v) and 0.0 <= v < 1.0), "in [0, 1)"),
+    ("train.eps", lambda v: v is None or _positive(v), "a positive, finite number"),
     ("train.warmup_steps", _within(0, MAX_STEPS), _upto(MAX_STEPS, "0")),
     ("train.steps_per_cycle", _within(0, MAX_STEPS), _upto(MAX_STEPS, "0 (train.steps)")),
     ("train.eval_every", _within(1, MAX_STEPS), _upto(MAX_STEPS, "1")),

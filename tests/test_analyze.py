@@ -180,7 +180,8 @@ BAD = {
     "set-unknown-option": ("budget", lambda r, runs: str(runs["mita"]), ["--set", "attn.heads=2"],
                            "unknown option 'heads' for attention 'mita'; valid: landmarks, topk"),
     "too-many-landmarks": ("budget", lambda r, runs: str(runs["mita"]), ["--set", "attn.landmarks=8,512"],
-                           "attn.landmarks=512: mita landmarks=512 is more than the 128 tokens"),
+                           "attn.landmarks=512: mita landmarks=512 reaches past a sequence of 128 tokens (max_len): "
+                           "clamped to 128, one landmark per token; give budgets within the run's sequence"),
     "examples-0": ("tokens", lambda r, runs: str(runs["mita"]), ["--examples", "0"], "--examples must be 1 to 10,000,000, got 0"),
     "data-dir-missing": ("tokens", lambda r, runs: str(runs["mita"]), ["--data-dir", "nodata"], "--data-dir nodata is not a folder"),
     "bad-flag": ("tokens", lambda r, runs: str(runs["mita"]), ["--bogus"], "unrecognized arguments: --bogus"),

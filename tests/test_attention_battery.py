@@ -177,6 +177,24 @@ def test_duplicate_registration_rejected() -> None:
         cost = "O(1)"
         taxonomy = Taxonomy("none", "1", "none", "none", "none")
 
-    with pytest.raises(AttentionError, match="already registered"):
+    with pytest.raises(AttentionError, match=f"takes the name of the built-in backend '{NAMES[0]}'"):
         register(NAMES[0])(Impostor)
     assert get_attention(NAMES[0]) is original
+
+
+def test_a_plugin_taking_a_built_in_name_is_told_its_file_and_the_way_out(tmp_path, isolated_registry) -> None:
+    from attentions import load_attention_module
+
+    plugin = tmp_path / "my_performer.py"
+    plugin.write_text("from attentions import register\n"
+                      "from attentions.backends.performer import PerformerAttention\n\n\n"
+                      "@register('performer')\nclass Mine(PerformerAttention):\n    pass\n")
+    with pytest.raises(AttentionError) as err:
+        load_attention_module(str(plugin))
+    assert str(err.value) == (
+        f"{plugin}: @register('performer') takes the name of the built-in backend 'performer' "
+        "(attentions/backends/performer.py); register it under a name of its own, e.g. @register('performer_mine') "
+        "(a wrapper of a built-in subclasses it and takes a new name: docs/backends.md, 'Adding a backend')")
+    # the way out works: the wrapper under a name of its own
+    plugin.write_text(plugin.read_text().replace("@register('performer')", "@register('performer_mine')"))
+    assert load_attention_module(str(plugin)) == ["performer_mine"]

@@ -28,7 +28,7 @@ def test_smoke_run_writes_a_valid_record(tmp_path: Path, cli, monkeypatch: pytes
     (tmp_path / "mydata").mkdir()
     monkeypatch.chdir(tmp_path)
     proc = cli("lra-run", "--task", "listops", "--attn", "full", "--preset", "smoke", "--data-dir", "mydata", "--quiet",
-               "--set", "train.steps=4", "train.eval_every=2")
+               "--set", "train.steps=4", "train.eval_every=2", "train.warmup_steps=2")
     assert proc.code == 0, proc.err
     assert proc.err == ""
     records = list((tmp_path / "runs").glob("*/record.json"))

@@ -172,12 +172,15 @@ def test_listops_generated_on_a_full_disk_is_absent_then_complete(tmp_path: Path
     args = ["generate", "listops", "--size", "40"]
     with tmpfs(tmp_path / "data", "2m") as disk:
         filler = fill(disk)
-        # room for val and test (32 rows, about 210 KB each), not for train too (40 rows, about 270 KB)
-        os.truncate(filler, filler.stat().st_size - (560 << 10))
+        # room for the generated chunk (500 trees, gzip: about 700 KB) and val and test (32 rows, about 210 KB
+        # each), not for train too (40 rows, about 260 KB)
+        os.truncate(filler, filler.stat().st_size - (1250 << 10))
         proc = cli("lra-data", *args, "--data-dir", disk)
         folder = disk / "listops_n40_seed0"
         one_error(proc, "lra-data", 2, str(folder / "basic_train.tsv"), "no file of the set was written")
-        assert sorted(p.name for p in folder.iterdir()) == [".lock"]
+        # the generated shards are kept, whole, for the rerun
+        assert sorted(p.name for p in folder.iterdir()) == [".lock", ".parts"]
+        assert not [p for p in (folder / ".parts").iterdir() if p.name.startswith(".")]
         filler.unlink()
         assert cli("lra-data", *args, "--data-dir", disk).code == 0
         rows = {s: len((folder / f"basic_{s}.tsv").read_text().splitlines()) - 1 for s in ("train", "val", "test")}
@@ -193,7 +196,8 @@ def test_pathfinder_generated_on_a_full_disk_keeps_no_partial_batch(tmp_path: Pa
         proc = cli("lra-data", *args, "--data-dir", disk)
         level = disk / "pathfinder32" / "curv_baseline"
         one_error(proc, "lra-data", 2, str(level / "imgs"), "run the same command again")
-        assert not (level / "imgs" / "0").exists() and not list((level / "metadata").iterdir())
+        # the one chunk of the batch was not finished: none of its images is left
+        assert not list((level / "imgs" / "0").iterdir()) and not list((level / "metadata").iterdir())
         assert leftovers(level) == []
         filler.unlink()
         assert cli("lra-data", *args, "--data-dir", disk).code == 0

@@ -67,9 +67,9 @@ class Killer:
             self.moment(f"step {step + 1}", "before")
             return lr_at(step, cfg)
 
-        def evaluation(*args: object) -> object:
+        def evaluation(*args: object, **kwargs: object) -> object:
             self.moment("evaluation", "before")
-            return evaluate(*args)
+            return evaluate(*args, **kwargs)
 
         def atomic(write: Callable[..., None]) -> Callable[..., None]:
             def wrapped(path: Path, data: object, *advice: str) -> None:

@@ -108,6 +108,21 @@ def test_official_lengths_are_strictly_between_500_and_2000() -> None:
     assert min(lengths) > 500 and max(lengths) < 2000
 
 
+@pytest.mark.parametrize("max_len", [256, 512, 2000], ids=["cpu-256", "smoke-512", "paper-2000"])
+def test_made_up_rows_are_padded_as_the_generated_ones(max_len: int) -> None:
+    """The rows a run's estimate times on (before any data) are whole where every generated row is cut
+    to max_len, so the model takes the same unmasked path; longer, they span the generator's lengths."""
+    made_up = get_task("listops").example_rows(DataConfig(max_len=max_len), 256).lengths
+    generated = [min(len(tokenize(s)), max_len) for s, _ in gen.generate_chunk((0, 0, 10, 10, 500, 2000))[:40]]
+    if max_len <= 501:
+        assert set(made_up) == set(generated) == {max_len}
+    else:
+        assert 500 < made_up.min() and made_up.max() <= max_len and 500 < min(generated)
+    if max_len == 2000:
+        # every generated row is shorter than 2,000 tokens: padded, as every made-up one
+        assert made_up.max() < max_len and max(generated) < max_len
+
+
 def test_tokenizer_drops_parentheses_and_splits_brackets() -> None:
     assert tokenize("( ( [MAX 2 ) 9 ) ] )") == ["[MAX", "2", "9", "]"]
     assert tokenize("[MIN 3 4]") == ["[MIN", "3", "4", "]"]

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import TINY_LISTOPS
 from lra.config import CONFIG_DIR, ModelConfig, RunConfig, TrainConfig, resolve
 from lra.errors import UserError
 from lra.model import LRAModel
@@ -191,3 +192,36 @@ def test_a_small_official_run_trains_on_the_jax_schedule(tmp_path: Path, listops
     rates = [row["lr"] for row in logged if "lr" in row]
     # the line of step s holds the rate of its last optimizer step, s - 1 (0-based)
     assert rates == pytest.approx([0.05 * min(1.0, s / 4) / math.sqrt(max(s, 4)) for s in range(6)])
+
+
+@pytest.mark.parametrize("preset, sets, values", [
+    ("official", [], (0.9, 0.98, 1e-9)),
+    ("paper", [], (0.9, 0.999, 1e-8)),
+    ("official", ["train.beta2=0.95", "train.eps=1e-7"], (0.9, 0.95, 1e-7)),
+], ids=["lra", "adamw", "set"])
+def test_config_json_holds_every_value_of_the_optimizer(preset: str, sets: list, values: tuple) -> None:
+    cfg = resolve("listops", "full", preset, sets)
+    train = cfg.to_dict()["train"]
+    assert (train["beta1"], train["beta2"], train["eps"]) == values
+    group = make_optimizer(torch.nn.Linear(2, 2), cfg).param_groups[0]
+    assert (*group["betas"], group["eps"]) == values
+
+
+def test_a_config_json_without_the_optimizer_values_is_the_same_run() -> None:
+    from lra.run.folder import same_run
+
+    cfg = resolve("listops", "full", "official")
+    saved = cfg.to_dict()
+    for key in ("beta1", "beta2", "eps"):
+        del saved["train"][key]
+    assert same_run(saved, cfg)
+    assert not same_run({**saved, "train": {**saved["train"], "beta2": 0.999}}, cfg)
+
+
+def test_a_run_shorter_than_its_warmup_is_warned(cli: Callable, tmp_path: Path, listops_data: Path) -> None:
+    ran = cli("lra-run", *TINY_LISTOPS, "--attn", "full", "--data-dir", listops_data, "--out", tmp_path,
+              "--set", "train.warmup_steps=10")
+    assert ran.code == 0, ran.err
+    assert ("lra-run: warning: train.steps (4) is less than train.warmup_steps (10): the run ends in its warm-up, "
+            "its learning rate never reaching train.lr (0.001); set train.warmup_steps below the steps for a run "
+            "that does") in ran.err.splitlines()

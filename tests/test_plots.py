@@ -17,18 +17,27 @@ def test_plots_written_atomically(tmp_path: Path) -> None:
     assert not [p for p in out.iterdir() if p.name.startswith(".")], "temporary files left behind"
 
 
+def drawn(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The figures the plots make, kept instead of written."""
+    from lra.tables import plot_style
+
+    figures: list = []
+    monkeypatch.setattr(plot_style, "save", lambda fig, path: figures.append(fig) or path)
+    return figures
+
+
 def test_accuracy_vs_time_shows_the_seed_spread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from matplotlib.container import ErrorbarContainer
 
     from lra.tables import plots
 
-    figures = []
-    monkeypatch.setattr(plots, "save", lambda fig, path: figures.append(fig) or path)
+    figures = drawn(monkeypatch)
     records = [make_record("listops", "full", 0, 0.30, train_time_s=100.0),
                make_record("listops", "full", 1, 0.40, train_time_s=140.0),
                make_record("listops", "mita", 0, 0.50, train_time_s=40.0)]
     plots.accuracy_vs_time(plots.by_series(records, ["full", "mita"]), tmp_path / "plot.png")
-    (ax,) = figures[0].axes
+    # one panel: full's family (MiTA, alone in its family, is drawn in every panel)
+    (ax,) = [a for a in figures[0].axes if a.get_visible()]
     bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
     # one point of two seeds (full) has bars, the single seed (mita) none
     assert len(bars) == 1
@@ -37,6 +46,61 @@ def test_accuracy_vs_time_shows_the_seed_spread(tmp_path: Path, monkeypatch: pyt
     assert [round(x) for x, _ in x_span] == [100, 140]  # the range of the train times
     std = statistics.stdev([30.0, 40.0])
     assert [round(y, 6) for _, y in y_span] == [round(35.0 - std, 6), round(35.0 + std, 6)]
-    assert "std of the accuracy and range of the time over seeds" in ax.get_title()
+    assert "std of the accuracy and range of the time over seeds" in figures[0]._suptitle.get_text()
     # the axes hold the bars
     assert ax.get_ylim()[0] < 35.0 - std and ax.get_ylim()[1] > 50.0
+
+
+def test_every_backend_in_its_familys_panel_and_mita_in_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """22 backends: one panel per family (MiTA alone in its family: no panel of its own), each naming its
+    own backends only, and MiTA drawn in red in every one of them, and in red in the bars' plot."""
+    from attentions import list_attentions, scaling_of
+    from matplotlib.colors import to_hex
+
+    from lra.tables import plots
+    from lra.tables.plot_style import FOCUS_STYLE
+
+    figures = drawn(monkeypatch)
+    names = list_attentions()
+    records = [make_record("listops", name, 0, 0.2 + 0.01 * i, train_time_s=100.0 + 10 * i) for i, name in enumerate(names)]
+    series = plots.by_series(records, names)
+    plots.accuracy_vs_time(series, tmp_path / "time.png")
+    panels = [a for a in figures[0].axes if a.get_visible()]
+    families = {scaling_of(n) for n in names} - {"both"}
+    assert len(panels) == len(families)
+    red = to_hex(FOCUS_STYLE["color"])
+    for ax in panels:
+        labelled = {t.get_text() for t in ax.texts}
+        family = {scaling_of(n) for n in labelled} - {"both"}
+        assert len(family) == 1 and labelled - {"mita"} == {n for n in names if scaling_of(n) in family}
+        assert any(to_hex(c.get_facecolors()[0]) == red for c in ax.collections if len(c.get_facecolors()))
+    plots.accuracy_bars(series, tmp_path / "bars.png")
+    (ax,) = figures[1].axes
+    assert [t.get_text() for t in ax.get_yticklabels()] == [n for f, _ in plots.FAMILIES for n in names if scaling_of(n) == f]
+    # each row's bar, found at its tick
+    bars = {t.get_text(): next(b for b in ax.patches if abs(b.get_y() + b.get_height() / 2 - y) < 1e-6)
+            for y, t in zip(ax.get_yticks(), ax.get_yticklabels())}
+    assert to_hex(bars["mita"].get_facecolor()) == red
+    assert {to_hex(b.get_facecolor()) for n, b in bars.items() if n != "mita"}.isdisjoint({red})
+
+
+def test_the_recall_plot_has_a_panel_per_family_with_mita_and_full_in_each(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from attentions import list_attentions, scaling_of
+
+    from lra.tables.plots_recall import recall_vs_pairs
+    from lra.tables.recall import Row
+
+    figures = drawn(monkeypatch)
+    names = list_attentions()
+    cells = {Row("cpu", "one-token", 256, 128, name, "N"): {p: [{"status": "completed", "test_acc": 0.5}] for p in (8, 16)}
+             for name in names}
+    recall_vs_pairs(cells, tmp_path / "recall.png")
+    panels = [a for a in figures[0].axes if a.lines]
+    assert len(panels) == len({scaling_of(n) for n in names} - {"both"})
+    for ax in panels:
+        shown = [line.get_label().split(" ")[0] for line in ax.lines]
+        assert "mita" in shown and "full" in shown
+        # at most ten backends of one family besides them: each its own colour and marker
+        own = [(line.get_color(), line.get_marker()) for line in ax.lines if line.get_label().split(" ")[0] not in ("mita", "full")]
+        assert len(set(own)) == len(own) <= 10

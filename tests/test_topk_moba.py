@@ -186,5 +186,8 @@ def test_invalid_hyperparameters_raise(name: str, overrides: dict) -> None:
 
 
 def test_budgets() -> None:
-    assert build_attention("topk", num_heads=2, head_dim=16, max_len=64, topk=128).budget() == "k = 128"
-    assert build_attention("moba", num_heads=2, head_dim=16, max_len=64).budget() == "topk x block_size = 128"
+    assert build_attention("topk", num_heads=2, head_dim=16, max_len=64, topk=32).budget() == "k = 32"
+    assert build_attention("moba", num_heads=2, head_dim=16, max_len=1024).budget() == "topk x block_size = 128"
+    # past the sequence: what covers it, every key (two blocks of 64 where 64 tokens hold one)
+    assert build_attention("topk", num_heads=2, head_dim=16, max_len=64, topk=128).budget() == "k = 64"
+    assert build_attention("moba", num_heads=2, head_dim=16, max_len=64).budget() == "topk x block_size = 64"

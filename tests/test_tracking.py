@@ -128,8 +128,9 @@ def train_with_stops(cli: Callable, monkeypatch: pytest.MonkeyPatch, out: Path, 
     after_step = lra.run.loop.after_step
     for how, at in STOPS:
 
-        def stop_after(run: object, state: object, loss: float, bar: object, how: str = how, at: object = at) -> None:
-            after_step(run, state, loss, bar)
+        def stop_after(run: object, state: object, loss: float, bar: object, stop: object, how: str = how,
+                       at: object = at) -> None:
+            after_step(run, state, loss, bar, stop)
             if state.step == at:  # type: ignore[attr-defined]
                 if how == "kill":
                     raise Killed(f"killed after step {at}")

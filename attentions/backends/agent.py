@@ -36,6 +36,7 @@ class AgentAttention(Attention):
     paper = "Han et al. 2024, Agent Attention: On the Integration of Softmax and Linear Attention"
     Config = AgentConfig
     cost = "O(N n D)"
+    whole_sequence = {"agents": "one agent per token"}
     taxonomy = Taxonomy(
         scaling="compression",
         expert_count="1 (n agent tokens)",

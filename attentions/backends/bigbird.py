@@ -116,6 +116,7 @@ class BigBirdAttention(Attention):
     published_as = ("BigBird",)
     Config = BigBirdConfig
     cost = "O(N (5 + r) b D + 2 b N D)"
+    whole_sequence = {"block_size": "one block of the whole sequence: full attention"}
     taxonomy = Taxonomy(
         scaling="routing",
         expert_count="N/b blocks",

@@ -67,7 +67,7 @@ def reference(
 class CosformerAttention(Attention):
     order = 1.5
     paper = "Qin et al. 2022, cosFormer: Rethinking Softmax in Attention"
-    published_as: Tuple[str, ...] = ()
+    published_as: Tuple[str, ...] = ("cosFormer",)
     Config = CosformerConfig
     cost = "O(N D^2)"
     taxonomy = Taxonomy(

@@ -80,6 +80,7 @@ class LocalAttention(Attention):
     published_as = ("Local Attention",)
     Config = LocalConfig
     cost = "O(N block_size D)"
+    whole_sequence = {"block_size": "one block of the whole sequence: full attention"}
     taxonomy = Taxonomy(
         scaling="routing",
         expert_count="N/B blocks",

@@ -88,6 +88,7 @@ class LongformerAttention(Attention):
     published_as = ("Longformer",)
     Config = LongformerConfig
     cost = "O(N (window + G) D + G N D)"
+    whole_sequence = {"window": "every query's window holds the whole sequence: full attention"}
     taxonomy = Taxonomy(
         scaling="routing",
         expert_count="N windows + G global tokens",
@@ -104,6 +105,11 @@ class LongformerAttention(Attention):
         if not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in tokens):
             raise AttentionError(f"longformer global_tokens must be a list of positions >= 0, got {cfg.global_tokens!r}")
         self.global_tokens = tuple(sorted(set(tokens)))
+
+    @classmethod
+    def covers(cls, cfg: LongformerConfig, option: str, max_len: int) -> int:
+        """A window of 2 max_len - 1 keys reaches every key from every query (the first and the last)."""
+        return 2 * max_len - 1
 
     def budget(self) -> str:
         return f"window + global tokens = {self.cfg.window + len(self.global_tokens)}"

@@ -191,6 +191,7 @@ class MiTAAttention(Attention):
     published_as = ("MiTA",)
     Config = MiTAConfig
     cost = "O((m + k) N D)"
+    whole_sequence = {"landmarks": "one landmark per token"}
     taxonomy = Taxonomy(
         scaling="both",
         expert_count="m routed + 1 shared",
@@ -204,11 +205,6 @@ class MiTAAttention(Attention):
         for name in ("landmarks", "topk", "experts_per_query"):
             if getattr(cfg, name) < 1:
                 raise AttentionError(f"mita {name} must be a positive integer, got {getattr(cfg, name)}")
-        if cfg.landmarks > dims.max_len:
-            raise AttentionError(
-                f"mita landmarks={cfg.landmarks} is more than the {dims.max_len} tokens a sequence can have "
-                f"(max_len); choose landmarks <= {dims.max_len} (shorter sequences clamp on their own)"
-            )
         if cfg.experts_per_query > cfg.landmarks or cfg.topk < cfg.experts_per_query:
             raise AttentionError(
                 f"mita experts_per_query={cfg.experts_per_query} must be at most landmarks={cfg.landmarks} "

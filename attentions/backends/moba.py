@@ -105,6 +105,8 @@ class MoBAAttention(Attention):
     paper = "Lu et al. 2025, MoBA: Mixture of Block Attention for Long-Context LLMs"
     Config = MoBAConfig
     cost = "O(N^2 D / block_size + N topk block_size D)"
+    whole_sequence = {"block_size": "one block of the whole sequence: full attention",
+                      "topk": "every block: full attention"}
     taxonomy = Taxonomy(
         scaling="routing",
         expert_count="N/B blocks",
@@ -123,6 +125,11 @@ class MoBAAttention(Attention):
     @classmethod
     def implementation(cls, cfg: MoBAConfig, device: torch.device) -> str:
         return f"attentions.moba ({kernel_name(cfg.kernel, device)} kernel)"
+
+    @classmethod
+    def covers(cls, cfg: MoBAConfig, option: str, max_len: int) -> int:
+        """A block covers the sequence at max_len tokens; topk counts blocks: all of them."""
+        return -(-max_len // cfg.block_size) if option == "topk" else max_len
 
     def budget(self) -> str:
         return f"topk x block_size = {self.cfg.topk * self.cfg.block_size}"

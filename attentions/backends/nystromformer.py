@@ -63,6 +63,7 @@ class NystromformerAttention(Attention):
     published_as = ("Nystromformer", "Nystrom", "Nystrom-128")
     Config = NystromformerConfig
     cost = "O(N m D + m^3)"
+    whole_sequence = {"landmarks": "one landmark per token"}
     taxonomy = Taxonomy(
         scaling="compression",
         expert_count="1 (m landmarks)",

@@ -282,6 +282,7 @@ class ReformerAttention(Attention):
     published_as = ("Reformer",)
     Config = ReformerConfig
     cost = "O(n_hashes N (log N + chunk D))"
+    whole_sequence = {"chunk_size": "one chunk and one bucket: full attention (a token's own key penalised, as in LSH)"}
     taxonomy = Taxonomy(
         scaling="routing",
         expert_count="n_buckets per round x n_hashes rounds",

@@ -112,6 +112,7 @@ class SinkhornAttention(Attention):
     published_as = ("Sinkhorn",)
     Config = SinkhornConfig
     cost = "O(N b D + (N/b)^2 b D)"
+    whole_sequence = {"block_size": "one block of the whole sequence: full attention"}
     taxonomy = Taxonomy(
         scaling="routing",
         expert_count="N/b blocks",

@@ -97,6 +97,7 @@ class SparseTransformerAttention(Attention):
     published_as = ("Sparse Transformer",)
     Config = SparseTransformerConfig
     cost = "O(N (block_size + summary N / block_size) D)"
+    whole_sequence = {"block_size": "one block of the whole sequence: full attention"}
     taxonomy = Taxonomy(
         scaling="routing",
         expert_count="N/B blocks + 1 shared summary set",

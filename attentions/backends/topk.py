@@ -132,6 +132,7 @@ class TopKAttention(Attention):
     paper = "Gupta et al. 2021, Memory-efficient Transformers via Top-k Attention"
     Config = TopKConfig
     cost = "O(N^2 D) time, O(chunk N) memory"
+    whole_sequence = {"topk": "every key: full attention"}
     independent_queries = True
     taxonomy = Taxonomy(
         scaling="routing",

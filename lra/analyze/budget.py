@@ -80,6 +80,10 @@ def check_grid(loaded: Loaded, grid: Grid) -> Dict[str, Any]:
             model = loaded.model(options)
         except AttentionError as err:
             raise UserError(f"{label(options)}: {err}") from err
+        clamped = model.encoder.blocks[0].attn.notices
+        if clamped:
+            # the setting the run computes is the clamped one: a column of its own would repeat it
+            raise UserError(f"{label(options)}: {clamped[0]}; give budgets within the run's sequence")
         change = parameter_change(model, loaded.weights)
         if change:
             raise UserError(f"{label(options)} changes the trained parameters of {attn!r} ({change}); budget varies only "

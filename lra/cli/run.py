@@ -48,8 +48,8 @@ def parser() -> Parser:
     # lra-sweep's tuned runs: the tuning they belong to (lra/tuning.py), kept in config.json and the record
     p.add_argument("--tuning", metavar="JSON", help=argparse.SUPPRESS)
     p.add_argument("--no-estimate", action="store_true",
-                   help="skip the line that says, before training, what a run of 10 minutes or more will take here "
-                   "(a few training rows timed, lra/run/estimate.py)")
+                   help="skip the line that says, before the data are read or generated, what a run of 10 minutes or "
+                   "more will take here (its steps timed on made-up rows of the task's shape, lra/run/estimate.py)")
     return p
 
 
@@ -77,12 +77,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise UserError(f"--data-dir {args.data_dir} is not a folder; give the folder that holds the task's files "
                             "(create it first to have ListOps generated there)")
         cfg.data.data_dir = args.data_dir
-    if get_task(args.task).spec.padded and os.environ.get("RANK", "0") == "0":
-        warning = mask_warning(cfg.attn)
-        if warning:
-            print(f"lra-run: warning: {warning}", file=sys.stderr)
+    warnings = []
+    if os.environ.get("RANK", "0") == "0":
+        warnings = [w for w in [warmup_warning(cfg.train), mask_warning(cfg.attn) if get_task(args.task).spec.padded else ""]
+                    if w]
     try:
-        record = train(cfg, resume=args.resume, quiet=args.quiet, estimate=not args.no_estimate)
+        record = train(cfg, resume=args.resume, quiet=args.quiet, estimate=not args.no_estimate, warnings=warnings)
     except Interrupted as err:
         print(f"lra-run: {err}", file=sys.stderr)
         return 130
@@ -120,6 +120,15 @@ def last_line(record: Dict[str, Any], path: str) -> str:
     return (f"{record['task']}/{record['attn']}: test acc {record['test_acc']:.4f} (majority {record['majority_acc']:.4f}), "
             f"best val {record['val_acc']:.4f} at step {record['best_step']}, {speed}, peak {record['peak_memory_mb']:.0f} MB; "
             f"record: {path}")
+
+
+def warmup_warning(tc: Any) -> str:
+    """Why a run that ends inside its learning-rate warm-up is not what its preset meant ("" otherwise)."""
+    if 0 < tc.steps < tc.warmup_steps:
+        return (f"train.steps ({tc.steps:,}) is less than train.warmup_steps ({tc.warmup_steps:,}): the run ends in its "
+                f"warm-up, its learning rate never reaching train.lr ({tc.lr:g}); set train.warmup_steps below the steps "
+                "for a run that does")
+    return ""
 
 
 def mask_warning(attn: str) -> str:

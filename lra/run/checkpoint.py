@@ -50,14 +50,18 @@ class TrainState:
     # the code each process of the run started from (machine.git_commit); a resume on other code adds
     # one. Optional: a checkpoint without it resumes with it empty
     commits: List[str] = field(default_factory=list)
+    # the last step whose validation finished (-1: none yet); a checkpoint saved by a signal in the
+    # middle of one holds the step before, and the resume evaluates first. Optional: a checkpoint
+    # without it was saved after its step's validation
+    evaluated_at: int = -1
 
     def to_dict(self) -> Dict[str, Any]:
         # not dataclasses.asdict: it would deep-copy the best weights
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-# the state keys a checkpoint must hold (commits is optional)
-STATE_KEYS = tuple(f.name for f in fields(TrainState) if f.name != "commits")
+# the state keys a checkpoint must hold (commits and evaluated_at are optional)
+STATE_KEYS = tuple(f.name for f in fields(TrainState) if f.name not in ("commits", "evaluated_at"))
 
 
 def save_checkpoint(path: Path, state: Dict[str, Any]) -> None:
@@ -131,7 +135,8 @@ def restore_or_start(run: Run, started_at: str) -> TrainState:
                 print(f"lra-run: {run.init.summary()}", flush=True)
     else:
         restore_weights(path, saved, run.model, run.optimizer)
-        state = TrainState(**saved["state"])
+        state = TrainState(**{"evaluated_at": saved["state"]["step"], **saved["state"]})
+        run.saved_step = state.step
         rng = saved["rng_cpu"]
         torch.set_rng_state(rng[run.d.rank] if run.d.rank < len(rng) else rng[0])
         if run.device.type == "cuda" and saved["rng_cuda"] is not None:
@@ -162,3 +167,17 @@ def save(run: Run, state: TrainState) -> None:
             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "state": state.to_dict(),
             "rng_cpu": rng, "rng_cuda": torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None,
         })
+    run.saved_step = state.step
+
+
+def peek_step(path: Path) -> int:
+    """The step of the checkpoint at ``path`` (0 when there is none), its tensors left unread."""
+    if not path.is_file():
+        return 0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return int(saved["state"]["step"])
+    except Exception:  # noqa: BLE001 - a damaged checkpoint is named when the run restores it
+        return 0

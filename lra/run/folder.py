@@ -22,7 +22,7 @@ from typing import IO, Any, Dict, Optional, Tuple
 
 import torch
 
-from ..config import RunConfig
+from ..config import RunConfig, fill_optimizer
 from ..errors import UserError
 from ..files import FolderLock, WriteError, remove_temporaries, write_json_atomic
 from . import distributed
@@ -65,7 +65,10 @@ def same_run(saved: Dict[str, Any], cfg: RunConfig) -> bool:
     """Whether a saved config is this run's (``out`` aside: a folder may be moved, or named as DIR/). A key
     the saved config lacks, at the top or inside a section (written before the key existed, e.g. a
     model field added since), counts as its default."""
-    return identity(with_defaults(RunConfig().to_dict(), saved)) == identity(cfg.to_dict())
+    merged = with_defaults(RunConfig().to_dict(), saved)
+    # a config.json written before the optimizer's values were part of it: its optimizer's
+    merged["train"] = fill_optimizer(merged["train"])
+    return identity(merged) == identity(cfg.to_dict())
 
 
 def with_defaults(defaults: Dict[str, Any], saved: Dict[str, Any]) -> Dict[str, Any]:

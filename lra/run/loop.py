@@ -5,19 +5,18 @@ AdamW, linear warmup then linear decay (or the LRA JAX schedules), gradient clip
 The batch of step ``s`` is a pure function of (seed, s), so a resumed run sees exactly the batches
 it would have seen. Under torchrun the same loop runs with DistributedDataParallel.
 
-    loop()         steps until the end, a divergence or a signal
+    loop()         steps until the end, a divergence or a signal (run/signals.py)
     train_step()   one optimizer step on the batch of ``state.step``
     after_step()   logging, evaluation and checkpoints on their schedules
-    evaluate()     accuracy and loss on a split
+    evaluate()     accuracy and loss on a split, stopping between batches when asked
 """
 from __future__ import annotations
 
 import copy
 import math
-import signal
 import time
 from functools import lru_cache
-from typing import Any, Optional, Tuple
+from typing import Callable, NoReturn, Optional, Tuple
 
 import numpy as np
 import torch
@@ -31,10 +30,15 @@ from ..tasks.base import IGNORE
 from . import distributed, folder
 from .checkpoint import TrainState, save
 from .setup import Run, to_device
+from .signals import StopSignals
 
 
 class Interrupted(Exception):
     """SIGTERM or SIGINT arrived; a checkpoint was saved and the run can be resumed."""
+
+
+class Stopped(Exception):
+    """An evaluation stopped between two batches because a signal asked the run to stop."""
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -74,48 +78,38 @@ def batch_indices(step: int, n: int, batch: int, seed: int) -> np.ndarray:
     return np.concatenate(out)
 
 
-class StopSignals:
-    """While open, SIGTERM and SIGINT are noted in ``received`` (the loop saves and stops at the end
-    of its step) instead of killing the process; the previous handlers come back on close."""
-
-    def __init__(self) -> None:
-        self.received: Optional[int] = None
-
-    def __enter__(self) -> "StopSignals":
-        self.previous = {s: signal.signal(s, self.note) for s in (signal.SIGTERM, signal.SIGINT)}
-        return self
-
-    def note(self, signum: int, _frame: Any) -> None:
-        self.received = signum
-
-    def __exit__(self, *exc: Any) -> None:
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
-def loop(run: Run, state: TrainState, quiet: bool) -> Tuple[str, str]:
+def loop(run: Run, state: TrainState, quiet: bool, stop: StopSignals) -> Tuple[str, str]:
     """Steps until the last one ("completed"), a non-finite loss ("diverged", with why), or a signal
-    (a checkpoint, then Interrupted). The metrics log is closed and the signal handlers restored on return."""
+    (a checkpoint, then Interrupted: at the end of a step, or between two batches of an evaluation)."""
     tc, d = run.cfg.train, run.d
     bar = tqdm(total=tc.steps, initial=state.step, desc=f"{run.cfg.task}/{run.cfg.attn}", disable=quiet or not d.main)
     try:
-        # train.steps = 0: the initial weights (--init-from's, say) are evaluated, as if best at step 0
-        if tc.steps == 0:
-            validate(run, state)
-        with StopSignals() as stop:
-            while state.step < tc.steps:
-                loss = train_step(run, state)
-                if not math.isfinite(loss):
-                    return "diverged", f"loss became {loss} at step {state.step + 1}; the last good checkpoint is kept"
-                after_step(run, state, loss, bar)
-                if distributed.any_flag(stop.received is not None, d, run.device):
-                    save(run, state)
-                    raise Interrupted(f"stopped by signal at step {state.step}; continue with the same command (or --resume)")
+        # an evaluation a signal cut short is done first; so is the one of train.steps = 0 (the initial
+        # weights, --init-from's say, evaluated as if best at step 0)
+        if evaluation_due(state.step, tc) and state.evaluated_at < state.step:
+            validate(run, state, stop)
+        while state.step < tc.steps:
+            stop.phase = "step"
+            loss = train_step(run, state)
+            if not math.isfinite(loss):
+                return "diverged", f"loss became {loss} at step {state.step + 1}; the last good checkpoint is kept"
+            after_step(run, state, loss, bar, stop)
+            if distributed.any_flag(stop.requested(), d, run.device):
+                stop_here(run, state, f"at step {state.step}")
     finally:
         bar.close()
-        if run.log is not None:
-            run.log.close()
     return "completed", ""
+
+
+def stop_here(run: Run, state: TrainState, where: str) -> NoReturn:
+    """Save a checkpoint of ``state`` and stop the run (a signal asked for it)."""
+    save(run, state)
+    raise Interrupted(f"stopped by signal {where}; continue with the same command (or --resume)")
+
+
+def evaluation_due(step: int, tc: TrainConfig) -> bool:
+    """Whether the validation split is evaluated after step ``step``: every ``eval_every`` steps and at the last."""
+    return step == tc.steps or (step > 0 and step % tc.eval_every == 0)
 
 
 def train_step(run: Run, state: TrainState) -> float:
@@ -154,7 +148,7 @@ def train_step(run: Run, state: TrainState) -> float:
     return global_loss
 
 
-def after_step(run: Run, state: TrainState, loss: float, bar: tqdm) -> None:
+def after_step(run: Run, state: TrainState, loss: float, bar: tqdm, stop: StopSignals) -> None:
     """The mean loss logged every ``log_every`` steps, the validation split every ``eval_every`` (and
     at the last step), a checkpoint every ``checkpoint_every``."""
     tc, step = run.cfg.train, state.step
@@ -166,25 +160,39 @@ def after_step(run: Run, state: TrainState, loss: float, bar: tqdm) -> None:
         if run.log is not None:
             folder.append_metric(run.log, {"step": step, "loss": state.last_loss, "lr": lr})
         run.tracker.log(step, {"loss": state.last_loss, "lr": lr, "tokens_per_s": state.tokens / max(state.train_time, 1e-9)})
-    if step % tc.eval_every == 0 or step == tc.steps:
-        acc = validate(run, state)
+    if evaluation_due(step, tc):
+        acc = validate(run, state, stop)
         bar.set_postfix(loss=f"{loss:.3f}", val=f"{acc:.3f}", tok_s=f"{state.tokens / state.train_time:.0f}")
     if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.steps:
         save(run, state)
 
 
-def validate(run: Run, state: TrainState) -> float:
-    """Accuracy on the validation split, logged; the weights kept when they are the best so far."""
+def validate(run: Run, state: TrainState, stop: StopSignals) -> float:
+    """Accuracy on the validation split, logged; the weights kept when they are the best so far. A
+    signal between two of its batches saves a checkpoint that holds the evaluation as not done, and
+    stops the run (a resume evaluates first)."""
     tc, step = run.cfg.train, state.step
     t1 = time.perf_counter()
-    acc, val_loss = evaluate(run.net, run.splits["val"], tc.batch_size, tc.eval_batches, run.device, run.d, run.bf16)
+    stop.phase = "evaluation"
+    try:
+        acc, val_loss = evaluate(run.net, run.splits["val"], tc.batch_size, tc.eval_batches, run.device, run.d,
+                                 run.bf16, stop=between_batches(stop, run.d))
+    except Stopped:
+        stop_here(run, state, f"in the evaluation after step {step}")
     state.eval_time += time.perf_counter() - t1
     if acc > state.best_acc:
         state.best_acc, state.best_step, state.best_model = acc, step, copy.deepcopy(run.model.state_dict())
+    state.evaluated_at = step
     if run.log is not None:
         folder.append_metric(run.log, {"step": step, "val_acc": acc, "val_loss": val_loss})
     run.tracker.log(step, {"val_acc": acc, "val_loss": val_loss})
     return acc
+
+
+def between_batches(stop: StopSignals, d: distributed.Dist) -> Optional[Callable[[], bool]]:
+    """What an evaluation asks between two batches: whether a signal came. None under torchrun, whose
+    processes must stop at the same batch (they agree at the end of a step instead)."""
+    return None if d.enabled else stop.requested
 
 
 def per_target(logits: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -197,16 +205,21 @@ def per_target(logits: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, split: Split, batch: int, max_batches: int, device: torch.device, d: distributed.Dist, bf16: bool
+    model: torch.nn.Module, split: Split, batch: int, max_batches: int, device: torch.device, d: distributed.Dist,
+    bf16: bool, stop: Optional[Callable[[], bool]] = None,
 ) -> Tuple[float, float]:
     """Accuracy and mean loss on the first ``max_batches`` batches of ``split`` (0 = all); for a
-    token-level task, over the labelled positions of those rows."""
+    token-level task, over the labelled positions of those rows. ``stop``: asked before each batch;
+    True raises Stopped (the model is left in training mode)."""
     model.eval()
     n = len(split) if max_batches == 0 else min(len(split), max_batches * batch)
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # correct, loss sum, count
     for b, start in enumerate(range(0, n, batch)):
         if b % d.world_size != d.rank:
             continue
+        if stop is not None and stop():
+            model.train()
+            raise Stopped
         tokens, lengths, labels = to_device(split, np.arange(start, min(start + batch, n)), device)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = model(tokens, lengths)

@@ -1,7 +1,9 @@
-"""What a training run is built from before its first step: the device and processes, the data, the
-model (checked against the attention contract on its first call) and the optimizer."""
+"""What a training run is built from before its first step: the device and processes and the model
+(checked against the attention contract on its first call), then the data and the optimizer."""
 from __future__ import annotations
 
+import dataclasses
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Dict, Optional, Tuple
@@ -15,12 +17,12 @@ from attentions.check import output_problem
 from . import distributed
 from ..machine.allocator import keep_freed_memory
 from ..tasks.augment import check_augment
-from ..config import RunConfig
+from ..config import RunConfig, fill_optimizer
 from ..errors import UserError
 from .init_from import InitFrom, match, read_source
 from ..model import LRAModel
 from ..tasks import Split, TaskSpec, get_task
-from ..tasks.base import quiet_bars
+from ..tasks.base import Task, quiet_bars
 from .trackers import Tracker
 
 
@@ -46,6 +48,8 @@ class Run:
     init: Optional[InitFrom] = None
     # rank 0's experiment tracker (lra/run/trackers.py; a no-op on the other ranks and for tracker=none)
     tracker: Tracker = field(default_factory=Tracker)
+    # the step of the last checkpoint saved or restored (None: none yet)
+    saved_step: Optional[int] = None
 
     @property
     def tokens_per_step(self) -> int:
@@ -70,8 +74,28 @@ def to_device(split: Split, idx: np.ndarray, device: torch.device) -> Tuple[torc
     return tokens, lengths, labels
 
 
-def setup(cfg: RunConfig, quiet: bool) -> Run:
-    """Device and processes, data (rank 0 generates or caches it first), model and optimizer."""
+@dataclass
+class Prepared:
+    """What a run is built from before its data: the device and processes, the task and the model,
+    its backend checked on made-up rows of the task's shape (``example``)."""
+
+    cfg: RunConfig
+    device: torch.device
+    d: distributed.Dist
+    bf16: bool
+    task: Task
+    spec: TaskSpec
+    max_len: int
+    model: LRAModel
+    example: Split
+    # the run whose weights a fresh start loads (--init-from), read and checked
+    source: Optional[Any] = None
+
+
+def prepare(cfg: RunConfig) -> Prepared:
+    """Device and processes, the model, and its backend checked on its first call: everything that
+    needs no data, so that a long run can say what it costs (run/estimate.py) before the data are
+    read or generated, and a broken backend is named before either."""
     tc = cfg.train
     device = pick_device(tc.device)
     d = distributed.setup(device)
@@ -91,9 +115,6 @@ def setup(cfg: RunConfig, quiet: bool) -> Run:
     if spec.padded and not get_attention(cfg.attn).supports_mask:
         raise UserError(f"attention {cfg.attn!r} cannot honour a padding mask, and task {cfg.task!r} is padded")
     check_augment(tc.augment, spec)
-    with quiet_bars(quiet):
-        # rank 0 generates or caches the data first; a problem with them is its one line
-        splits = distributed.on_main(lambda: task.load(cfg.data), d) or task.load(cfg.data)
     max_len = task.max_len(cfg.data)
 
     torch.manual_seed(cfg.seed)
@@ -101,22 +122,37 @@ def setup(cfg: RunConfig, quiet: bool) -> Run:
         cfg.model, cfg.attn, cfg.attn_options, spec.vocab_size, spec.num_classes, max_len, spec.dual, spec.padded,
         spec.token_level,
     ).to(device)
-    check_backend(model, splits["train"], device, bf16, cfg.attn)
-    optimizer = make_optimizer(model, cfg)
-    net = torch.nn.parallel.DistributedDataParallel(model) if d.enabled else model
-    init = None if source is None else match(source, model)
-    return Run(cfg, device, d, bf16, spec, splits, max_len, model, net, optimizer, init=init)
+    # an option past the sequence (a block, window or bucket longer than max_len) was clamped: said once
+    if d.main:
+        for line in model.encoder.blocks[0].attn.notices:
+            print(f"lra-run: notice: {line}", file=sys.stderr, flush=True)
+    # a batch of made-up rows: the backend's check takes two, the estimate up to the batch
+    example = task.example_rows(cfg.data, max(2, tc.batch_size // d.world_size))
+    check_backend(model, example, device, bf16, cfg.attn)
+    return Prepared(cfg, device, d, bf16, task, spec, max_len, model, example, source)
+
+
+def setup(p: Prepared, quiet: bool) -> Run:
+    """The data (rank 0 generates or caches it first) and the optimizer, around the prepared model."""
+    cfg, d = p.cfg, p.d
+    with quiet_bars(quiet):
+        # rank 0 generates or caches the data first; a problem with them is its one line
+        splits = distributed.on_main(lambda: p.task.load(cfg.data), d) or p.task.load(cfg.data)
+    optimizer = make_optimizer(p.model, cfg)
+    net = torch.nn.parallel.DistributedDataParallel(p.model) if d.enabled else p.model
+    init = None if p.source is None else match(p.source, p.model)
+    return Run(cfg, p.device, d, p.bf16, p.spec, splits, p.max_len, p.model, net, optimizer, init=init)
 
 
 def make_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
-    """AdamW at torch's defaults, or the LRA JAX train scripts' flax Adam (train.optimizer=lra:
-    lra_benchmarks/*/train.py create_optimizer, beta1 0.9, beta2 0.98, eps 1e-9). flax's Adam takes
-    lr * weight_decay * w from every weight after the Adam step, computed from the weights before it:
-    torch's AdamW multiplies them by (1 - lr * weight_decay) first, the same update."""
-    tc = cfg.train
-    if tc.optimizer == "lra":
-        return torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(0.9, 0.98), eps=1e-9, weight_decay=tc.weight_decay)
-    return torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+    """torch's AdamW with the run's betas and eps (train.beta1, beta2, eps: those of train.optimizer
+    unless set, config.OPTIMIZER_VALUES). ``lra`` is the LRA JAX train scripts' flax Adam
+    (lra_benchmarks/*/train.py create_optimizer): it takes lr * weight_decay * w from every weight after
+    the Adam step, computed from the weights before it; torch's AdamW multiplies them by
+    (1 - lr * weight_decay) first, the same update."""
+    tc = fill_optimizer(dataclasses.asdict(cfg.train))
+    return torch.optim.AdamW(model.parameters(), lr=tc["lr"], betas=(tc["beta1"], tc["beta2"]), eps=tc["eps"],
+                             weight_decay=tc["weight_decay"])
 
 
 class BrokenBackend(Exception):
@@ -124,7 +160,7 @@ class BrokenBackend(Exception):
 
 
 def check_backend(model: LRAModel, split: Split, device: torch.device, bf16: bool, attn: str) -> None:
-    """Run the model once on two training rows and check every attention call's output: its shape,
+    """Run the model once on two rows of ``split`` and check every attention call's output: its shape,
     dtype and finiteness. A broken backend (often a plugin) is named here, not deep inside the model."""
     tokens, lengths, _ = to_device(split, np.arange(min(2, len(split))), device)
 

@@ -1,37 +1,44 @@
 """The one trainer for every task and backend: ``train(cfg) -> result record``.
 
-A run goes setup -> claim -> restore -> loop -> finish: the device, processes, data, model and
-optimizer (run/setup.py); the run folder chosen and locked (run/folder.py); its checkpoint continued
-or a fresh start (run/checkpoint.py); the steps (run/loop.py); then the best-validation weights
-tested and the record written (``finish``, schema in run/record.py). Checkpoints are written every
-``checkpoint_every`` steps and on SIGTERM / SIGINT; under torchrun rank 0 writes every file.
+A run goes prepare -> estimate -> setup -> claim -> restore -> loop -> finish: the device, processes
+and model (run/setup.py); what a long run will cost, said before the data (run/estimate.py); the data
+and optimizer; the run folder chosen and locked (run/folder.py); its checkpoint continued or a fresh
+start (run/checkpoint.py); the steps (run/loop.py); then the best-validation weights tested and the
+record written (``finish``, schema in run/record.py). Checkpoints are written every
+``checkpoint_every`` steps and on SIGTERM / SIGINT (run/signals.py: a second one stops at once);
+under torchrun rank 0 writes every file.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import sys
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 
 from ..config import RunConfig
+from ..errors import UserError
 from ..files import write_json_atomic
 from ..machine import environment, git_commit, load_average, matmul_rate, peak_memory_mb
 from ..tasks.base import IGNORE
 from . import checkpoint, distributed, folder
 from .checkpoint import TrainState, restore_or_start
-from .estimate import notice
-from .loop import evaluate, loop
+from .estimate import estimate as estimate_run, notice
+from .loop import Stopped, between_batches, evaluate, loop, stop_here
 from .record import Record, now
-from .setup import Run, setup
+from .setup import Prepared, Run, prepare, setup
+from .signals import StopSignals
 
 
-def train(cfg: RunConfig, resume: bool = False, quiet: bool = False, estimate: bool = True) -> Dict[str, Any]:
+def train(cfg: RunConfig, resume: bool = False, quiet: bool = False, estimate: bool = True,
+          warnings: Sequence[str] = ()) -> Dict[str, Any]:
     """Train ``cfg.attn`` on ``cfg.task``; write and return the result record (a dict, with ``run_dir``).
 
     The run folder is locked from when it is chosen until the record is written (or the run stops).
-    ``estimate``: say before training what a long run will cost here (run/estimate.py).
+    ``estimate``: say before the data are read or generated what a long run will cost here (run/estimate.py).
+    ``warnings``: lines said once the model, its backend and the source of ``--init-from`` have
+    passed their checks (bad input is refused in one line, without them).
     """
     started_at = now()
     # the code this process runs: read now, since a checkout during the run changes the tree, not the code
@@ -40,29 +47,65 @@ def train(cfg: RunConfig, resume: bool = False, quiet: bool = False, estimate: b
         # nothing to resume is refused before any data is read or generated (minutes for the paper preset)
         folder.choose_run_dir(cfg, resume)
     with contextlib.ExitStack() as held:
-        # 1) setup: device and processes, data, model and optimizer
-        run = setup(cfg, quiet)
-        # 2) restore: claim (and lock) the run folder, continue its checkpoint if it has one
+        # 1) prepare: device and processes, the model, its backend checked on made-up rows of the task
+        prepared = prepare(cfg)
+        # 2) what a long run will cost, timed on those rows; a single process only (a backward outside
+        # DistributedDataParallel's forward would wake its gradient hooks)
+        tell = estimate and not prepared.d.enabled
+        sizes = prepared.task.split_sizes(cfg.data)
+        missing = prepared.task.unavailable(cfg.data) if tell and sizes is not None else ""
+        if missing:
+            # data that cannot be had are refused now, not after the seconds of the estimate
+            raise UserError(missing)
+        for line in warnings:
+            print(f"lra-run: warning: {line}", file=sys.stderr, flush=True)
+        if tell and sizes is not None:
+            say_estimate(prepared, sizes, steps_done(cfg, resume))
+        # 3) setup: the data (generated first where missing) and the optimizer
+        run = setup(prepared, quiet)
+        if tell and sizes is None:
+            say_estimate(prepared, {s: len(split) for s, split in run.splits.items()}, steps_done(cfg, resume))
+        # 4) restore: claim (and lock) the run folder, continue its checkpoint if it has one
         run.run_dir = folder.claim(cfg, resume, run.d, held)
         state = restore_or_start(run, started_at)
         held.callback(run.tracker.close)
+        held.callback(lambda: run.log.close() if run.log is not None else None)
         if not state.commits or state.commits[-1] != commit:
             state.commits.append(commit)
-        # a single process only: a backward outside DistributedDataParallel's forward would wake its gradient hooks
-        if estimate and not run.d.enabled and state.step < cfg.train.steps:
-            line = notice(run, state)
-            if line:
-                print(f"lra-run: {line}", file=sys.stderr, flush=True)
-        # 3) the loop, until the last step, a non-finite loss or a signal
-        status, message = loop(run, state, quiet)
-        # 4) finish: test the best weights, write the record
-        record = finish(run, state, status, message)
+        # 5) the loop, until the last step, a non-finite loss or a signal; then the test and the record
+        with StopSignals(kept=lambda: kept(run)) as stop:
+            status, message = loop(run, state, quiet, stop)
+            record = finish(run, state, status, message, stop)
     distributed.teardown(run.d)
     return {**record.to_dict(), "run_dir": str(run.run_dir)}
 
 
-def finish(run: Run, state: TrainState, status: str, message: str) -> Record:
-    """Test the best-validation weights (a completed run), then write record.json (and best_model.pt)."""
+def steps_done(cfg: RunConfig, resume: bool) -> int:
+    """The steps the run this command continues has behind it (its checkpoint's); 0 for a fresh start."""
+    return checkpoint.peek_step(folder.choose_run_dir(cfg, resume) / "checkpoint.pt")
+
+
+def say_estimate(prepared: Prepared, sizes: Dict[str, int], done: int) -> None:
+    """The estimate's line on stderr, when the rest of the run is long."""
+    cfg = prepared.cfg
+    if done >= cfg.train.steps and cfg.train.steps:
+        return
+    est = estimate_run(prepared, sizes, done)
+    line = notice(cfg, est, prepared.device)
+    if line:
+        print(f"lra-run: {line}", file=sys.stderr, flush=True)
+
+
+def kept(run: Run) -> str:
+    """What a run stopped now leaves to continue from."""
+    if run.saved_step is None:
+        return f"no checkpoint yet: the same command starts the run in {run.run_dir} over"
+    return f"the checkpoint of step {run.saved_step} in {run.run_dir} is kept; the same command continues from it"
+
+
+def finish(run: Run, state: TrainState, status: str, message: str, stop: StopSignals) -> Record:
+    """Test the best-validation weights (a completed run), then write record.json (and best_model.pt).
+    A signal between two test batches saves a checkpoint and stops: its resume only tests."""
     tc, cfg = run.cfg.train, run.cfg
     # how busy the machine was while training: the train time of two runs compares only at similar loads
     load = load_average()
@@ -73,8 +116,15 @@ def finish(run: Run, state: TrainState, status: str, message: str) -> Record:
     test_acc: Optional[float] = None
     if status == "completed" and state.best_model is not None:
         run.model.load_state_dict(state.best_model)
-        test_acc, _ = evaluate(run.net, run.splits["test"], tc.batch_size, tc.test_batches, run.device, run.d, run.bf16)
+        stop.phase = "test"
+        try:
+            test_acc, _ = evaluate(run.net, run.splits["test"], tc.batch_size, tc.test_batches, run.device, run.d,
+                                   run.bf16, stop=between_batches(stop, run.d))
+        except Stopped:
+            # the checkpoint holds the best weights as the model's: no step is left to train them further
+            stop_here(run, state, "in the test")
         run.tracker.log(state.step, {"test_acc": test_acc})
+    stop.phase = "record"
     mem, mem_kind = peak_memory_mb(run.device)
     test = run.splits["test"]
     n_test = len(test) if not tc.test_batches else min(len(test), tc.test_batches * tc.batch_size)

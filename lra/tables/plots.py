@@ -1,42 +1,36 @@
 """Plots of result records (matplotlib, Agg backend, PNG): accuracy by task, accuracy against training
-time, MQAR's recall against the number of key-value pairs, and every backend's recall grouped by family.
+time, and MQAR's two plots (plots_recall.py); every one scales to 22 backends and more by drawing one
+panel per task or per family, with MiTA drawn apart (plot_style.py).
 
 Only completed runs are drawn; a diverged (backend, task) has no bar and no point. The two LRA plots
 carry the majority-class accuracy of each task, the bar plot the published full-attention numbers
-beside it; error bars appear only where a bar or point has several seeds; legends sit outside the axes.
+beside it; error bars appear only where a bar or point has several seeds.
 """
 from __future__ import annotations
 
-import io
 import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-import matplotlib
+import matplotlib.pyplot as plt
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter  # noqa: E402
+from ..format import model
+from . import plot_style
+from .plot_style import (FAMILIES, FAMILY_COLOURS, FOCUS, FOCUS_STYLE, bold_focus, by_family, family_of, family_title,
+                         finish, line_styles, save)
+from .plots_recall import recall_by_family, recall_vs_pairs
+from .summary import TASKS, TITLES
 
-from ..files import write_atomic  # noqa: E402
-from ..format import model  # noqa: E402
-from .recall import Cells  # noqa: E402
-from .summary import TASKS, TITLES  # noqa: E402
+# lra/analyze/plots.py writes its figures with the same save
+__all__ = ["FAMILIES", "by_family", "plot_all", "recall_by_family", "recall_vs_pairs", "save"]
 
 # rows of reference/published_lra.csv that are full (softmax) attention: (source, model)
 PUBLISHED_FULL = {("tay2021_lra", "Transformer"), ("nystromformer2021", "Standard"),
                   ("skyformer2021", "Self-attention"), ("xformers_lra", "Standard")}
 Series = Dict[str, Dict[str, List[Dict[str, Any]]]]
-
-
-def save(fig: Any, path: Path) -> Path:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=150, bbox_inches="tight")
-    plt.close(fig)
-    write_atomic(path, buffer.getvalue())
-    return path
 
 
 def by_series(records: List[Dict[str, Any]], order: List[str]) -> Series:
@@ -82,66 +76,96 @@ def presets_text(series: Series) -> str:
     return f"preset {', '.join(presets)}"
 
 
+def attn_of(series: Series) -> Dict[str, str]:
+    """The backend of each series label ("attn" or "attn (preset)")."""
+    return {label: next(r["attn"] for rs in per_task.values() for r in rs) for label, per_task in series.items()}
+
+
+def rows_by_family(series: Series) -> Tuple[Dict[str, float], List[Tuple[str, float]], float]:
+    """The y position of each series, its family's rows together under the family's name, top to bottom:
+    (label -> y, [(family, y of its name)], the height of it all)."""
+    backends = attn_of(series)
+    ys: Dict[str, float] = {}
+    headers: List[Tuple[str, float]] = []
+    y = 0.0
+    for family, members in by_family(list(series), name=backends.__getitem__):
+        headers.append((family, y))
+        y += 0.9
+        for label in members:
+            ys[label] = y
+            y += 1.0
+        y += 0.3
+    return ys, headers, y
+
+
 def accuracy_bars(series: Series, path: Path, published: Optional[List[Dict[str, str]]] = None) -> Path:
-    """Grouped bars: tasks on the x axis, one bar per backend with its value on top; error bars (sample
-    std) only on bars of several seeds; per task a dashed majority-class line and a grey stroke spanning
-    the published full-attention accuracies."""
+    """One panel per task; in each, one horizontal bar per backend, the backends grouped by family (its
+    name above its rows), the bar's length its mean test accuracy with the value at its end, an error
+    bar (sample std) only where several seeds; bars coloured by family, MiTA's red and its name in bold;
+    per task a dashed majority-class line and a grey band spanning the published full-attention
+    accuracies. A new backend adds a row, a new task a panel: neither narrows the bars."""
     tasks = task_order(series)
-    width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.5 * len(tasks) + 0.35 * len(series) * len(tasks)), 4.2))
-    top = 0.0
-    several = False
-    # one seed count for every bar: said once in the title, not above each bar (narrow bars' labels collide)
+    backends = attn_of(series)
+    ys, headers, height = rows_by_family(series)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(2.2 + 3.0 * len(tasks), 0.9 + 0.26 * height), sharey=True,
+                             squeeze=False)
+    reference = published_full(published or [])
     counts_seen = {len(runs) for per_task in series.values() for runs in per_task.values() if runs}
     uniform = counts_seen.pop() if len(counts_seen) == 1 else None
-    for i, (label, per_task) in enumerate(series.items()):
-        xs, means, stds, counts = [], [], [], []
-        for j, task in enumerate(tasks):
+    several = False
+    for ax, task in zip(axes[0], tasks):
+        top = 0.0
+        for label, per_task in series.items():
             values = [100.0 * r["test_acc"] for r in per_task.get(task, [])]
-            if values:
-                xs.append(j - 0.4 + width * (i + 0.5))
-                means.append(statistics.fmean(values))
-                stds.append(statistics.stdev(values) if len(values) > 1 else 0.0)
-                counts.append(len(values))
-        several = several or any(stds)
-        ax.bar(xs, means, width * 0.9, label=label, color=f"C{i % 10}")
-        spread = [(x, m, s) for x, m, s, n in zip(xs, means, stds, counts) if n > 1]
-        if spread:
-            ax.errorbar([x for x, _, _ in spread], [m for _, m, _ in spread], yerr=[s for _, _, s in spread],
-                        fmt="none", ecolor="black", capsize=3, linewidth=1)
-        for x, mean, std, count in zip(xs, means, stds, counts):
-            text = f"{mean:.1f}" if uniform else f"{mean:.1f}\n{count} seed{'s' if count > 1 else ''}"
-            ax.text(x, mean + std + 0.8, text, ha="center",
-                    va="bottom", fontsize=7, zorder=4, bbox={"facecolor": "white", "alpha": 0.8, "linewidth": 0, "pad": 1})
-        top = max([top, *(m + s for m, s in zip(means, stds))])
-    for j, task in enumerate(tasks):
+            if not values:
+                continue
+            mean = statistics.fmean(values)
+            std = statistics.stdev(values) if len(values) > 1 else 0.0
+            several = several or len(values) > 1
+            focus = backends[label] == FOCUS
+            colour = FOCUS_STYLE["color"] if focus else FAMILY_COLOURS.get(family_of(backends[label]), "#bcbd22")
+            ax.barh(ys[label], mean, height=0.72, color=colour, edgecolor="black" if focus else "none", linewidth=1.2)
+            if len(values) > 1:
+                ax.errorbar(mean, ys[label], xerr=std, fmt="none", ecolor="black", capsize=2, linewidth=0.8)
+            seeds = "" if uniform else f" ({len(values)})"
+            ax.text(mean + std + 0.6, ys[label], f"{mean:.1f}{seeds}", va="center", fontsize=7,
+                    fontweight="bold" if focus else "normal")
+            top = max(top, mean + std)
         if task in majority(series):
-            value = majority(series)[task]
-            ax.hlines(value, j - 0.45, j + 0.45, colors="black", linestyles="--", linewidth=1.2,
-                      label="majority class (test split)" if j == tasks.index(next(t for t in tasks if t in majority(series))) else None)
-            top = max(top, value)
-    reference = published_full(published or [])
-    first = True
-    for j, task in enumerate(tasks):
+            ax.axvline(majority(series)[task], color="black", linestyle="--", linewidth=1.1,
+                       label="majority class (test split)")
+            top = max(top, majority(series)[task])
         if task in reference:
-            low, high, count = reference[task]
-            # a grey stroke at the right edge of the task's group, from the lowest to the highest value
-            ax.vlines(j + 0.47, low - 0.2, high + 0.2, colors="0.45", linewidth=5,
-                      label="published full attention, paper protocols (range)" if first else None)
-            first = False
+            low, high, _ = reference[task]
+            ax.axvspan(low, high, color="0.82", zorder=0, label="published full attention, paper protocols (range)")
             top = max(top, high)
-    ax.set_xticks(range(len(tasks)), [TITLES.get(t, t) for t in tasks])
-    ax.set_xlim(-0.6, len(tasks) - 0.35)
-    ax.set_ylim(0, min(100.0, top * 1.15 + 5))
-    ax.set_ylabel("test accuracy (%)")
+        ax.set_xlim(0, min(100.0, top * 1.12 + 6))
+        ax.set_title(TITLES.get(task, task), fontsize=10)
+        ax.set_xlabel("test accuracy (%)")
+        ax.grid(axis="x", alpha=0.3)
+    first = axes[0][0]
+    order = sorted(series, key=ys.__getitem__)
+    first.set_yticks([ys[label] for label in order], order, fontsize=8)
+    bold_focus(first.get_yticklabels())
+    first.set_ylim(height, -0.6)
+    for family, y in headers:
+        first.annotate(family_title(family), (0, y), xycoords=("axes fraction", "data"), xytext=(-4, 0),
+                       textcoords="offset points", ha="right", va="center", fontsize=8, fontstyle="italic",
+                       fontweight="bold")
     if uniform and uniform > 1:
         seeds = f"{uniform} seeds per bar, error bars: their std"
     else:
-        seeds = "error bars: std over seeds, where 2 or more" if several else "one seed per bar, so no error bars"
-    ax.set_title(f"Test accuracy by task ({presets_text(series)}; {seeds})", fontsize=10)
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    ax.grid(axis="y", alpha=0.3)
-    return save(fig, path)
+        seeds = "error bars: std over seeds, where 2 or more; (n): seeds" if several else "one seed per bar, so no error bars"
+    handles, names = first.get_legend_handles_labels()
+    for ax in axes[0][1:]:
+        more, more_names = ax.get_legend_handles_labels()
+        handles, names = handles + more, names + more_names
+    legend = dict(zip(names, handles))
+    fig.legend(list(legend.values()), list(legend), fontsize="small", loc="lower center",
+               bbox_to_anchor=(0.5, 0.0), ncol=2, frameon=False)
+    fig.suptitle(f"Test accuracy by task and backend, backends by family ({presets_text(series)}; {seeds})", fontsize=10)
+    fig.tight_layout(rect=(0, 0.035, 1, 1))
+    return plot_style.save(fig, path)
 
 
 # tick marks of the time axis, in seconds: round numbers of seconds, minutes and hours
@@ -157,64 +181,94 @@ def duration_label(seconds: float, _pos: Any = None) -> str:
 
 
 def accuracy_vs_time(series: Series, path: Path) -> Path:
-    """One labelled point per (backend, task): mean training time (log x) against mean test accuracy,
-    with each task's majority class as a dashed line. A point of several seeds carries their spread:
-    the sample std of the accuracy (as the accuracy table's ±) and the range of the train times. Axes
-    span at least a factor of 10 in time and 10 points in accuracy, so close runs are not stretched
-    over the whole plot."""
-    markers = dict(zip(TASKS, "osD^vP"))
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    times: List[float] = []
-    accs: List[float] = []
-    points: List[Tuple[str, str, float, float]] = []  # label, colour, time, accuracy
-    several = False
-    for i, (label, per_task) in enumerate(series.items()):
-        color = f"C{i % 10}"
-        for task, records in per_task.items():
-            seed_times = [r["train_time_s"] for r in records]
-            seed_accs = [100.0 * r["test_acc"] for r in records]
-            time, acc = statistics.fmean(seed_times), statistics.fmean(seed_accs)
-            ax.scatter(time, acc, color=color, marker=markers.get(task, "x"), s=40, zorder=3)
-            points.append((label, color, time, acc))
-            times += [min(seed_times), max(seed_times)]
-            accs.append(acc)
-            if len(records) > 1:
-                several = True
-                std = statistics.stdev(seed_accs)
-                ax.errorbar(time, acc, yerr=std, xerr=[[time - min(seed_times)], [max(seed_times) - time]],
-                            fmt="none", ecolor=color, alpha=0.6, capsize=2, linewidth=1, zorder=2)
-                accs += [acc - std, acc + std]
-        ax.scatter([], [], color=color, marker="o", label=label)
+    """Small multiples by family: in each family's panel, one labelled point per (backend, task) of that
+    family, mean training time (log x) against mean test accuracy, each backend in a colour and marker of
+    its own (a marker per task where there are several); MiTA (a red star) in every panel as the
+    reference (its family has no panel of its own when it is alone there), every other backend a grey
+    dot behind; each task's majority class a dashed line. A point
+    of several seeds carries their spread: the sample std of the accuracy (as the accuracy table's ±)
+    and the range of the train times. The panels share axes that span at least a factor of 10 in time
+    and 10 points in accuracy, so close runs are not stretched over the whole plot."""
     tasks = task_order(series)
-    for task in tasks:
-        if len(tasks) > 1:
-            ax.scatter([], [], color="gray", marker=markers.get(task, "x"), label=TITLES.get(task, task))
-    for n, (task, value) in enumerate(sorted(majority(series).items())):
-        accs.append(value)
-        name = f" ({TITLES.get(task, task)})" if len(tasks) > 1 else ""
-        ax.axhline(value, color="black", linestyle="--", linewidth=1, dashes=(4, 2 + 2 * n),
-                   label=f"majority class{name}")
-    ax.set_xscale("log")
+    backends = attn_of(series)
+    task_markers = dict(zip(TASKS, "osD^vP"))
+    # a family of MiTA alone has no panel of its own: MiTA is in every panel
+    families = [(family, members) for family, members in by_family(list(series), name=backends.__getitem__)
+                if {backends[label] for label in members} != {FOCUS}] or by_family(list(series), name=backends.__getitem__)
+    columns = min(3, len(families))
+    rows_ = math.ceil(len(families) / columns)
+    fig, axes = plt.subplots(rows_, columns, figsize=(5.2 * columns, 4.4 * rows_), sharex=True, sharey=True,
+                             squeeze=False)
+    points = {(label, task): (statistics.fmean([r["train_time_s"] for r in rs]),
+                              statistics.fmean([100.0 * r["test_acc"] for r in rs]), rs)
+              for label, per_task in series.items() for task, rs in per_task.items()}
+    times = [r["train_time_s"] for *_, rs in points.values() for r in rs]
+    accs = [acc for _, acc, _ in points.values()] + list(majority(series).values())
+    several = False
+    for ax, (family, members) in zip(axes.flat, families):
+        focus = [label for label in series if backends[label] == FOCUS]
+        shown = members + [label for label in focus if label not in members]
+        styles = line_styles(shown)
+        for (label, task), (time, acc, _) in points.items():
+            if label not in shown:
+                ax.scatter(time, acc, color="0.75", s=14, zorder=1, marker=task_markers.get(task, "x"))
+        placed: List[Tuple[str, str, float, float]] = []
+        for label in shown:
+            style = styles[label]
+            for task in series[label]:
+                time, acc, rs = points[(label, task)]
+                marker = style["marker"] if len(tasks) == 1 else task_markers.get(task, "x")
+                size = 150 if backends[label] == FOCUS else 40
+                ax.scatter(time, acc, color=style["color"], marker=marker, s=size, zorder=style["zorder"],
+                           edgecolors="black" if backends[label] == FOCUS else "none", linewidths=0.6)
+                placed.append((label, style["color"], time, acc))
+                if len(rs) > 1:
+                    several = True
+                    seed_times = [r["train_time_s"] for r in rs]
+                    std = statistics.stdev([100.0 * r["test_acc"] for r in rs])
+                    ax.errorbar(time, acc, yerr=std, xerr=[[time - min(seed_times)], [max(seed_times) - time]],
+                                fmt="none", ecolor=style["color"], alpha=0.6, capsize=2, linewidth=1, zorder=2)
+                    accs.extend([acc - std, acc + std])
+        for n, (task, value) in enumerate(sorted(majority(series).items())):
+            name = f" ({TITLES.get(task, task)})" if len(tasks) > 1 else ""
+            ax.axhline(value, color="black", linestyle="--", linewidth=1, dashes=(4, 2 + 2 * n),
+                       label=f"majority class{name}")
+        ax.set_title(f"{family_title(family)}: {len(members)} backend{'s' if len(members) != 1 else ''}"
+                     + (f" (and {FOCUS}, red)" if family_of(FOCUS) != family and focus else ""), fontsize=9)
+        ax.set_xscale("log")
+        label_points(ax, placed)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(families):]:
+        ax.set_visible(False)
+    time_axis(axes[0][0], times)
+    low_acc, high_acc = min(accs), max(accs)
+    pad = max(0.0, 10.0 - (high_acc - low_acc)) / 2 + 2.0
+    axes[0][0].set_ylim(max(0.0, low_acc - pad), min(100.0, high_acc + pad))
+    axes[0][0].yaxis.set_major_formatter(FuncFormatter(lambda y, _pos: f"{y:g}"))
+    for ax in axes[-1]:
+        ax.set_xlabel("training time (wall-clock of the training steps, log scale)")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("test accuracy (%)")
+    handles: Dict[str, Any] = {}
+    if len(tasks) > 1:
+        for task in tasks:
+            handles[TITLES.get(task, task)] = axes[0][0].scatter([], [], color="gray", marker=task_markers.get(task, "x"))
+    for handle, name in zip(*axes[0][0].get_legend_handles_labels()):
+        handles.setdefault(name, handle)
+    bars = "; bars: std of the accuracy and range of the time over seeds" if several else ""
+    return finish(fig, f"Test accuracy against training time, by family ({presets_text(series)}; grey: the other "
+                  f"families{bars})", handles, path)
+
+
+def time_axis(ax: Any, times: List[float]) -> None:
+    """The shared log time axis: at least a decade, centred on the runs, ticks at round durations."""
     low, high = min(times), max(times)
-    # at least a decade, centred on the runs
     spread = max(high / low, 10.0)
     centre = math.sqrt(low * high)
     ax.set_xlim(centre / math.sqrt(spread) / 1.2, centre * math.sqrt(spread) * 1.2)
     ax.xaxis.set_major_locator(FixedLocator(TIME_TICKS))
     ax.xaxis.set_major_formatter(FuncFormatter(duration_label))
     ax.xaxis.set_minor_formatter(NullFormatter())
-    low_acc, high_acc = min(accs), max(accs)
-    pad = max(0.0, 10.0 - (high_acc - low_acc)) / 2 + 2.0
-    ax.set_ylim(max(0.0, low_acc - pad), min(100.0, high_acc + pad))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _pos: f"{y:g}"))
-    label_points(ax, points)
-    ax.set_xlabel("training time (wall-clock of the training steps, log scale)")
-    ax.set_ylabel("test accuracy (%)")
-    bars = "\nbars: std of the accuracy and range of the time over seeds" if several else ""
-    ax.set_title(f"Test accuracy against training time ({presets_text(series)}){bars}", fontsize=10)
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    ax.grid(alpha=0.3)
-    return save(fig, path)
 
 
 def label_points(ax: Any, points: List[Tuple[str, str, float, float]]) -> None:
@@ -243,132 +297,3 @@ def plot_all(records: List[Dict[str, Any]], out: Path, order: List[str],
         return []
     return [accuracy_bars(series, out / "accuracy_by_task.png", published),
             accuracy_vs_time(series, out / "accuracy_vs_time.png")]
-
-
-def panels(cells: Cells) -> Dict[Tuple[str, str, int, int], Cells]:
-    """The recall cells by panel: one per protocol, formulation, vocabulary and N."""
-    groups: Dict[Tuple[str, str, int, int], Cells] = defaultdict(dict)
-    for row, per_pairs in cells.items():
-        groups[(row.preset, row.form, row.vocab, row.n)][row] = per_pairs
-    return groups
-
-
-def finish(fig: Any, title: str, handles: Dict[str, Any], path: Path) -> Path:
-    """The figure's title and its legend outside the axes, saved to ``path``."""
-    fig.suptitle(title, fontsize=10)
-    fig.legend(list(handles.values()), list(handles), fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 0.9),
-               frameon=False)
-    fig.tight_layout()
-    return save(fig, path)
-
-
-def recall_vs_pairs(cells: Cells, path: Path) -> Path:
-    """Zoology's plot: test accuracy against the number of key-value pairs, one line per backend (and
-    budget) through its mean over seeds, a band from the lowest to the highest seed where several;
-    one panel per protocol, formulation, vocabulary and N. A backend keeps its colour in every panel."""
-    groups = panels(cells)
-    colours = {attn: f"C{i % 10}" for i, attn in enumerate(dict.fromkeys(row.attn for row in cells))}
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4.0), squeeze=False, sharey=True)
-    handles: Dict[str, Any] = {}
-    several = False
-    for ax, ((preset, form, vocab, n), rows) in zip(axes[0], groups.items()):
-        shown_pairs: List[int] = []
-        # a backend run at several budgets: one line style per budget
-        budgets_drawn: Dict[str, int] = defaultdict(int)
-        for row, per_pairs in rows.items():
-            values = {p: [100.0 * r["test_acc"] for r in rs if r["status"] == "completed" and r["test_acc"] is not None]
-                      for p, rs in per_pairs.items()}
-            pairs = [p for p, v in values.items() if v]
-            if not pairs:
-                continue
-            shown_pairs += pairs
-            keys = f"{row.keys} of {n} keys" if row.keys is not None else row.budget
-            label = f"{row.attn} ({keys})"
-            line, = ax.plot(pairs, [statistics.fmean(values[p]) for p in pairs], marker="o", color=colours[row.attn],
-                            linestyle=("-", "--", ":", "-.")[budgets_drawn[row.attn] % 4], label=label)
-            budgets_drawn[row.attn] += 1
-            handles.setdefault(label, line)
-            if any(len(values[p]) > 1 for p in pairs):
-                several = True
-                ax.fill_between(pairs, [min(values[p]) for p in pairs], [max(values[p]) for p in pairs],
-                                color=colours[row.attn], alpha=0.2, linewidth=0)
-        ticks = sorted(set(shown_pairs))
-        if ticks and ticks[-1] >= 4 * ticks[0]:
-            ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_locator(FixedLocator(ticks))
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: f"{x:g}"))
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_ylim(-2, 102)
-        ax.set_xlabel("key-value pairs")
-        ax.set_title(f"N = {n}, vocab {vocab}, {form} (preset {preset})", fontsize=9)
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("test accuracy over the queries (%)")
-    band = "line: mean over seeds; band: lowest to highest seed" if several else "one seed per point"
-    return finish(fig, f"MQAR recall against the number of key-value pairs\n({band})", handles, path)
-
-
-# the taxonomy's scaling strategies (attentions.base.Taxonomy.scaling) in the order the families are drawn
-FAMILIES = (("routing", "routing"), ("compression", "compression"), ("both", "both"), ("none", "neither"))
-
-
-def by_family(rows: List[Any], name: Callable[[Any], str] = lambda row: row.attn) -> List[Tuple[str, List[Any]]]:
-    """The rows grouped by their backend's family (``attentions.scaling_of``), families in ``FAMILIES``
-    order (then any other), rows in their given order within a family; a family with no row is left out."""
-    from attentions import scaling_of
-
-    groups: Dict[str, List[Any]] = defaultdict(list)
-    for row in rows:
-        groups[scaling_of(name(row))].append(row)
-    order = [f for f, _ in FAMILIES] + sorted(set(groups) - {f for f, _ in FAMILIES})
-    return [(f, groups[f]) for f in order if groups.get(f)]
-
-
-def recall_by_family(cells: Cells, path: Path) -> Path:
-    """Every backend's MQAR recall in one figure, grouped by family (the taxonomy's scaling strategy:
-    routing, compression, both, neither): one bar per number of key-value pairs, its height the mean over
-    seeds, its whisker from the lowest to the highest seed where several. One panel per protocol,
-    formulation, vocabulary and N."""
-    groups = panels(cells)
-    pairs_all = sorted({p for per_pairs in cells.values() for p in per_pairs})
-    colours = {p: f"C{i % 10}" for i, p in enumerate(pairs_all)}
-    labels = dict(FAMILIES)
-    widest = max(len(rows) for rows in groups.values())
-    fig, axes = plt.subplots(len(groups), 1, figsize=(max(7.0, 0.45 * widest + 2.0), 3.6 * len(groups)), squeeze=False)
-    bar = 0.8 / max(len(pairs_all), 1)
-    several = False
-    for ax, ((preset, form, vocab, n), rows) in zip(axes[:, 0], groups.items()):
-        x, ticks, names = 0.0, [], []
-        for family, members in by_family(list(rows)):
-            start = x
-            for row in members:
-                multi = sum(r.attn == row.attn for r in rows) > 1
-                names.append(f"{row.attn} ({row.keys} keys)" if multi and row.keys is not None else row.attn)
-                ticks.append(x)
-                for i, p in enumerate(pairs_all):
-                    values = [100.0 * r["test_acc"] for r in rows[row].get(p, [])
-                              if r["status"] == "completed" and r["test_acc"] is not None]
-                    if not values:
-                        continue
-                    at = x + (i - (len(pairs_all) - 1) / 2) * bar
-                    mean = statistics.fmean(values)
-                    ax.bar(at, mean, width=bar, color=colours[p], label=f"{p} pairs")
-                    if len(values) > 1:
-                        several = True
-                        ax.errorbar(at, mean, yerr=[[mean - min(values)], [max(values) - mean]], fmt="none",
-                                    ecolor="black", elinewidth=0.7, capsize=1.5)
-                x += 1.0
-            ax.text((start + x - 1.0) / 2, 104, labels.get(family, family), ha="center", va="bottom", fontsize=8)
-            ax.axvline(x - 0.5, color="grey", linewidth=0.6)
-            x += 0.3
-        ax.set_xticks(ticks)
-        ax.set_xticklabels(names, rotation=45, ha="right", fontsize=8)
-        ax.set_xlim(-0.6, x - 0.5)
-        ax.set_ylim(0, 112)
-        ax.set_yticks(range(0, 101, 20))
-        ax.set_ylabel("test accuracy (%)")
-        ax.set_title(f"N = {n}, vocab {vocab}, {form} (preset {preset})", fontsize=9, pad=16)
-        ax.grid(axis="y", alpha=0.3)
-    handles, names_ = axes[0][0].get_legend_handles_labels()
-    legend = dict(zip(names_, handles))
-    whisker = "bar: mean over seeds; whisker: lowest to highest seed" if several else "one seed per bar"
-    return finish(fig, f"MQAR recall of every backend, by family ({whisker})", legend, path)

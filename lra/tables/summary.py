@@ -16,8 +16,8 @@ AVG_TASKS = TASKS[:5]
 TITLES = {"listops": "ListOps", "text": "Text", "retrieval": "Retrieval", "image": "Image",
           "pathfinder": "Pathfinder", "pathx": "Path-X"}
 SOURCES = {"tay2021_lra": "Tay et al. 2021", "nystromformer2021": "Xiong et al. 2021", "skyformer2021": "Chen et al. 2021",
-           "xformers_lra": "xformers LRA page", "mita2026": "Wen et al. 2026", "mega2023": "Ma et al. 2023",
-           "tay2021_lra_table2": "Tay et al. 2021, Table 2"}
+           "xformers_lra": "xformers LRA page", "cosformer2022": "Qin et al. 2022", "mita2026": "Wen et al. 2026",
+           "mega2023": "Ma et al. 2023", "tay2021_lra_table2": "Tay et al. 2021, Table 2"}
 
 
 @dataclass

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Dict, Iterator, List, Sequence, Type
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple, Type
 
 import numpy as np
 
@@ -108,6 +108,12 @@ class Task:
     def status(self, data_dir: str) -> DataStatus:
         raise NotImplementedError
 
+    def unavailable(self, data: "DataConfigLike") -> str:
+        """Why this data config's files cannot be had (missing, and not to be generated), when that is
+        known without reading them: a run refuses at once, before the seconds its estimate takes. ""
+        when they can be had, or when only loading them tells."""
+        return ""
+
     def spec_for(self, data: "DataConfigLike") -> TaskSpec:
         """The spec under this data config (a task whose vocabulary or length follows ``data`` overrides it)."""
         return self.spec
@@ -115,6 +121,39 @@ class Task:
     def max_len(self, data: "DataConfigLike") -> int:
         """The sequence length this data config gives (data.max_len, 0 = the task's default)."""
         return data.max_len or self.spec.max_len
+
+    def split_sizes(self, data: "DataConfigLike") -> Optional[Dict[str, int]]:
+        """The rows of each split under this data config where they are known without reading the data
+        (a run's cost is estimated before its data are read or generated); None: only the files tell."""
+        return None
+
+    def example_rows(self, data: "DataConfigLike", n: int, seed: int = 0) -> Split:
+        """``n`` made-up rows of this task's shape, as ``load`` gives them (tokens, lengths, labels), made
+        without reading or generating any data: a run checks its backend and times its steps on them
+        before the data are read. Padded tasks' rows are as long as ``example_lengths`` says."""
+        spec, length = self.spec_for(data), self.max_len(data)
+        rng = np.random.default_rng(seed)
+        shape = (n, 2, length) if spec.dual else (n, length)
+        tokens = rng.integers(1, max(spec.vocab_size, 2), size=shape)  # [n, L] or [n, 2, L]
+        lengths = np.full(shape[:-1], length)
+        if spec.padded:
+            lengths = self.example_lengths(data, shape[:-1], rng)
+            tokens[np.arange(length) >= lengths[..., None]] = 0
+        if spec.token_level:
+            # about half the positions asked, the first one always
+            asked = rng.random((n, length)) < 0.5
+            asked[:, 0] = True
+            labels = np.where(asked, rng.integers(0, spec.num_classes, size=(n, length)), IGNORE)  # [n, L]
+        else:
+            labels = rng.integers(0, spec.num_classes, size=n)  # [n]
+        return Split(tokens, lengths, labels)
+
+    def example_lengths(self, data: "DataConfigLike", shape: Tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+        """The lengths of made-up rows of a padded task: half to all of ``max_len``. A task that knows
+        its rows' lengths without its data says so: whether a batch holds padding decides whether the
+        model passes a mask (a batch of whole rows takes the backends' unmasked paths)."""
+        length = self.max_len(data)
+        return rng.integers(max(1, length // 2), length + 1, size=shape)
 
     def levels(self, data: "DataConfigLike") -> Dict[str, Any]:
         """The data settings that make runs of this task different experiments, by data field name

@@ -3,7 +3,8 @@
 Reads the official ``basic_{train,val,test}.tsv`` files, from our generator (``listops_gen.py``) or
 from the official ``lra_release/listops-1000/`` folder, and tokenizes as the fixed official
 pipeline does: parentheses dropped, ``]`` a token of its own, split on white space; padded to 2,000.
-Missing files of the official size are generated on first use (a few minutes on 2 cores).
+Missing files of the official size are generated on first use (a few minutes on 2 cores; an
+interrupted generation continues where it stopped).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from ..errors import UserError
+from ..format import fmt_duration
 from . import listops_gen
 from .base import (
     SPLITS,
@@ -99,6 +101,25 @@ class ListOps(Task):
             return "listops"
         return f"listops_n{data.size}_seed{data.seed}"
 
+    def example_lengths(self, data: DataConfigLike, shape: Tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+        """The generator's lengths (more than MIN_LENGTH and fewer than MAX_LENGTH tokens) cut to the
+        run's ``max_len`` as its rows are: at 501 tokens or fewer every row is whole, as in the cpu preset."""
+        drawn = rng.integers(listops_gen.MIN_LENGTH + 1, listops_gen.MAX_LENGTH, size=shape)
+        return np.minimum(drawn, self.max_len(data))
+
+    def unavailable(self, data: DataConfigLike) -> str:
+        """The set is missing and generation is off: what to run."""
+        if data.generate or self.find(data) is not None:
+            return ""
+        return (f"listops: no basic_train/val/test.tsv in {data.data_dir}/{self.folder_name(data)} or "
+                f"{data.data_dir}/lra_release/listops-1000 (data.generate is off); make them with `lra-data generate "
+                f"listops --data-dir {data.data_dir}" + (f" --size {data.size}" if data.size else "")
+                + (f" --seed {data.seed}" if data.seed else "") + "`, or drop --set data.generate=false")
+
+    def split_sizes(self, data: DataConfigLike) -> Dict[str, int]:
+        """The generator's sizes (those of the official release too, at the official size)."""
+        return dict(zip(SPLITS, listops_gen.split_sizes(data.size)))
+
     def find(self, data: DataConfigLike) -> Optional[Path]:
         names = [self.folder_name(data)]
         if data.size == 0:
@@ -110,28 +131,43 @@ class ListOps(Task):
         return None
 
     def generate(self, data: DataConfigLike) -> Path:
+        """Generate the set into its folder. A large one says so first, with its size, then what the rest
+        will take at the pace of its first shards; an interrupted one continues where it stopped."""
         folder = Path(data.data_dir) / self.folder_name(data)
         rows = sum(listops_gen.split_sizes(data.size))
         size_mb = rows * BYTES_PER_ROW / 1e6
-        if size_mb >= NOTICE_MB:
-            print(f"lra: generating ListOps ({rows:,} rows, about {size_mb:,.0f} MB) into {folder}: minutes on a CPU, "
-                  "once (later runs read it)", file=sys.stderr, flush=True)
-        return listops_gen.generate_files(folder, size=data.size, seed=data.seed, workers=max(data.workers, 1))
+        large = size_mb >= NOTICE_MB
+        if large:
+            print(f"lra: generating ListOps ({rows:,} rows, about {size_mb:,.0f} MB) into {folder}, once (later runs "
+                  "read it); stopped, it continues where it stopped", file=sys.stderr, flush=True)
+
+        def left(seconds: float, timed: int) -> None:
+            if large:
+                print(f"lra: ListOps generation: about {fmt_duration(seconds)} left here (at the pace of its first "
+                      f"{timed:,} rows)", file=sys.stderr, flush=True)
+
+        try:
+            return listops_gen.generate_files(folder, size=data.size, seed=data.seed, workers=max(data.workers, 1),
+                                              left=left)
+        except KeyboardInterrupt:
+            if large:
+                print(f"lra: ListOps generation stopped; its finished shards are kept in {folder / listops_gen.PARTS}, "
+                      "and the same command continues from them", file=sys.stderr, flush=True)
+            raise
 
     def load(self, data: DataConfigLike) -> Dict[str, Split]:
+        missing = self.unavailable(data)
+        if missing:
+            raise UserError(missing)
         folder = self.find(data)
-        if folder is None and not data.generate:
-            raise UserError(
-                f"listops: no basic_train/val/test.tsv in {data.data_dir}/{self.folder_name(data)} or "
-                f"{data.data_dir}/lra_release/listops-1000 (data.generate is off); make them with `lra-data generate "
-                f"listops --data-dir {data.data_dir}" + (f" --size {data.size}" if data.size else "")
-                + (f" --seed {data.seed}" if data.seed else "") + "`, or drop --set data.generate=false"
-            )
         if folder is None:
             try:
                 folder = self.generate(data)
             except OSError as err:
                 raise UserError(f"listops: cannot write generated data under {data.data_dir}: {err.strerror}")
+        else:
+            # a generation killed after writing the set, before removing its shards
+            listops_gen.clear_shards(folder)
         max_len = self.max_len(data)
         sources = [folder / FILES[s] for s in SPLITS]
         key = cache_key(sources, {"max_len": max_len, "vocab": VOCAB})

@@ -9,28 +9,38 @@ removed; the label is the value of the expression. Sources are written as the of
 Departures that do not change the distribution of kept trees: a tree is abandoned as soon as it
 reaches max_length tokens (it would be rejected anyway), and the work is cut into seeded chunks that
 ``workers`` processes generate in parallel, deduplicated in chunk order (so the output depends on the
-seed, not on the number of workers).
+seed, not on the number of workers). Each chunk is kept on disk while a set is made, so that an
+interrupted generation continues where it stopped (``Shards``).
 """
 from __future__ import annotations
 
 import csv
+import gzip
 import io
+import json
 import random
+import shutil
+import time
 from multiprocessing import Pool
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from tqdm import tqdm
 
-from ..files import write_atomic_set
-from ..files import FolderLock, remove_temporaries
+from ..errors import UserError
+from ..files import FolderLock, remove_temporaries, write_atomic, write_atomic_set
 from .base import bars_off
 
 MIN, MAX, MED, SUM_MOD, END = "[MIN", "[MAX", "[MED", "[SM", "]"
 OPERATORS = (MIN, MAX, MED, SUM_MOD)
 VALUE_P = 0.25
+# trees a chunk keeps: they depend on (seed, chunk index) alone, and a chunk is the unit kept on disk
 CHUNK = 500
+# a kept tree has strictly more than MIN_LENGTH and fewer than MAX_LENGTH tokens (the official bounds)
+MIN_LENGTH, MAX_LENGTH = 500, 2000
 FILES = ("basic_train.tsv", "basic_val.tsv", "basic_test.tsv")
+# the folder of a generation's finished shards, inside the set's folder
+PARTS = ".parts"
 
 
 class TooLong(Exception):
@@ -100,25 +110,87 @@ def generate(
     workers: int = 1,
     max_depth: int = 10,
     max_args: int = 10,
-    min_length: int = 500,
-    max_length: int = 2000,
+    min_length: int = MIN_LENGTH,
+    max_length: int = MAX_LENGTH,
+    shards: Optional["Shards"] = None,
+    left: Optional[Callable[[float, int], None]] = None,
 ) -> List[Tuple[str, int]]:
-    """``num_samples`` distinct (source, label) pairs, in a fixed order for a given seed."""
+    """``num_samples`` distinct (source, label) pairs, in a fixed order for a given seed.
+
+    The chunks are taken in order; ``shards``: each finished chunk is kept there and read back instead
+    of generated again, so an interrupted generation continues where it stopped, with the same result.
+    ``left(seconds, rows)``: called once, after the first chunks generated here, with the time the
+    rest should take at that pace and the rows it timed."""
     data: Dict[str, int] = {}
-    index = 0
     bar = tqdm(total=num_samples, desc="ListOps", unit="ex", disable=num_samples < 5000 or bars_off())
+    index, began, made = 0, time.perf_counter(), 0
     with Pool(workers) if workers > 1 else _Serial() as pool:
         while len(data) < num_samples:
-            batch = max(workers * 4, 1)
-            jobs = [(seed, index + i, max_depth, max_args, min_length, max_length) for i in range(batch)]
-            index += batch
-            for chunk in pool.imap(generate_chunk, jobs):
-                for source, value in chunk:
+            # enough chunks to keep every worker busy, and no more than the set can still need
+            count = min(max(workers * 4, 1), -(-(num_samples - len(data)) // CHUNK))
+            chunks = range(index, index + count)
+            index += count
+            stored = {i: shards.read(i) for i in chunks} if shards is not None else {}
+            jobs = [(seed, i, max_depth, max_args, min_length, max_length) for i in chunks if stored.get(i) is None]
+            fresh = iter(pool.imap(generate_chunk, jobs))
+            for i in chunks:
+                trees = stored.get(i)
+                if trees is None:
+                    trees = next(fresh)
+                    made += len(trees)
+                    if shards is not None:
+                        shards.write(i, trees)
+                for source, value in trees:
                     if len(data) < num_samples and source not in data:
                         data[source] = value
                         bar.update(1)
+            if made and left is not None:
+                left((time.perf_counter() - began) / made * max(0, num_samples - len(data)), made)
+                left = None
     bar.close()
     return list(data.items())
+
+
+class Shards:
+    """A generation's finished chunks, ``<folder>/.parts/<i>.tsv.gz``: the kept trees of chunk i (before
+    deduplication), one ``source<TAB>label`` line each, gzip-compressed, each file written atomically.
+    ``settings.json`` names the generator's settings: shards of other settings are removed, never
+    mixed in. Use under the set folder's lock."""
+
+    def __init__(self, folder: Path, settings: Dict[str, int]) -> None:
+        self.folder = Path(folder) / PARTS
+        settings = {**settings, "chunk": CHUNK}
+        manifest = self.folder / "settings.json"
+        try:
+            same = json.loads(manifest.read_text()) == settings
+        except (OSError, ValueError):
+            same = False
+        if not same:
+            self.clear()
+            self.folder.mkdir(parents=True)
+            write_atomic(manifest, json.dumps(settings).encode())
+        # what a killed write left (write_atomic's temporary names start with a dot)
+        for leftover in self.folder.glob(".*"):
+            leftover.unlink(missing_ok=True)
+
+    def read(self, i: int) -> Optional[List[Tuple[str, int]]]:
+        path = self.folder / f"{i}.tsv.gz"
+        try:
+            text = gzip.decompress(path.read_bytes()).decode()
+        except FileNotFoundError:
+            return None
+        except (OSError, EOFError, UnicodeDecodeError):
+            # damaged (not written by this writer, which renames whole files): made again
+            return None
+        return [(source, int(value)) for source, value in (line.split("\t") for line in text.splitlines())]
+
+    def write(self, i: int, trees: List[Tuple[str, int]]) -> None:
+        text = "".join(f"{source}\t{value}\n" for source, value in trees).encode()
+        write_atomic(self.folder / f"{i}.tsv.gz", gzip.compress(text, compresslevel=1, mtime=0),
+                     "the shards finished so far are kept; free some space there and run the same command again")
+
+    def clear(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class _Serial:
@@ -151,12 +223,15 @@ def split_text(rows: List[Tuple[str, int]]) -> bytes:
     return text.getvalue().encode()
 
 
-def generate_files(folder: Path, size: int = 0, seed: int = 0, workers: int = 1) -> Path:
+def generate_files(folder: Path, size: int = 0, seed: int = 0, workers: int = 1,
+                   left: Optional[Callable[[float, int], None]] = None) -> Path:
     """Generate and write ``basic_{train,val,test}.tsv`` into ``folder``; return the folder.
 
     Under the folder's lock: the temporary files of an earlier, killed write are removed first, and
     a process that waited for another one writing the same set keeps that set instead of redoing it.
-    The three files are written together: all of them, or (a kill, a full disk) none."""
+    Finished shards are kept in ``folder/.parts`` until the set is written: an interrupted generation
+    (a kill, Ctrl-C, a full disk) continues from them, and the files are the same bytes as an
+    uninterrupted one's. The three files are written together: all of them, or none."""
     folder.mkdir(parents=True, exist_ok=True)
     with FolderLock(folder) as lock:
         waited = lock.acquire(wait=True, note="lra: waiting for process {pid}, which is writing to {folder}")
@@ -164,11 +239,28 @@ def generate_files(folder: Path, size: int = 0, seed: int = 0, workers: int = 1)
         if waited and all((folder / name).is_file() for name in FILES):
             return folder
         n_train, n_val, n_test = split_sizes(size)
-        rows = generate(n_train + n_val + n_test, seed=seed, workers=workers)
+        shards = Shards(folder, {"seed": seed, "version": 1})
+        rows = generate(n_train + n_val + n_test, seed=seed, workers=workers, shards=shards, left=left)
         # train last: its presence marks a complete set
         write_atomic_set([
             (folder / "basic_test.tsv", split_text(rows[n_train + n_val :])),
             (folder / "basic_val.tsv", split_text(rows[n_train : n_train + n_val])),
             (folder / "basic_train.tsv", split_text(rows[:n_train])),
-        ], "no file of the set was written; free some space there and run the command again")
+        ], "no file of the set was written (the generated shards are kept); free some space there and run the "
+           "command again")
+        shards.clear()
     return folder
+
+
+def clear_shards(folder: Path) -> None:
+    """Remove a finished set's shards, left by a generation killed between writing the set and removing them."""
+    if not (Path(folder) / PARTS).is_dir():
+        return
+    with FolderLock(Path(folder)) as lock:
+        try:
+            lock.acquire(wait=False)
+        except UserError:
+            # another process is writing there: it removes them itself
+            return
+        if all((Path(folder) / name).is_file() for name in FILES):
+            shutil.rmtree(Path(folder) / PARTS, ignore_errors=True)

@@ -195,6 +195,13 @@ class MQAR(Task):
         shape = shape_of(data)
         return {s: make_split(shape, data.seed, i, split_sizes(data)[s]) for i, s in enumerate(SPLITS)}
 
+    def split_sizes(self, data: DataConfigLike) -> Dict[str, int]:
+        return split_sizes(data)
+
+    def example_rows(self, data: DataConfigLike, n: int, seed: int = 0) -> Split:
+        """The first ``n`` training examples of this level (drawn as ``load`` draws them, in milliseconds)."""
+        return make_split(shape_of(data), data.seed, 0, n)
+
     def folder_name(self, data: DataConfigLike) -> str:
         shape = shape_of(data)
         form = "" if shape.form == FORMS[0] else f"_{shape.form}"

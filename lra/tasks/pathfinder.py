@@ -209,6 +209,16 @@ class Pathfinder(Task):
 
         return cached_splits(data.data_dir, f"{self.spec.name}-{level}", key, build)
 
+    def split_sizes(self, data: DataConfigLike) -> Optional[Dict[str, int]]:
+        """The 80/10/10 split of the images the level's metadata lists (the few empty ones the loader
+        skips still counted); None when the level is not there (loading then says what is missing)."""
+        folder = self.find(data.data_dir, self.level(data))
+        if folder is None:
+            return None
+        n = len(read_metadata(folder))
+        train_end, test_start = split_bounds(n)
+        return {"train": train_end, "val": test_start - train_end, "test": n - test_start}
+
     def check_finished(self, folder: Path, level: str, listed: int, data_dir: str) -> None:
         """Refuse a folder of ours whose generation has not finished (still running, or interrupted)."""
         declared = pathfinder_write.declared_size(folder)

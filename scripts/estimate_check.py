@@ -24,8 +24,10 @@ batch (neither side counts the test), MQAR's paper validation 2 of its 12 batche
 case generates a set of 4,608 rows instead of 100,000 (minutes): neither changes a step's or a row's
 cost.
 
-``--tolerance`` (default 0.3): the largest |estimate / real - 1| a case may show; the exit status is 1
-when a case shows more, or when the estimate's line (said at ``NOTICE_S`` or more) is wrong by more
+``--tolerance`` (default 0.3): the largest |estimate / real - 1| a case may show, or, for a run of a few
+seconds, an error of ``FLOOR_S`` (1 s): MQAR's smoke run takes 0.1 s, and a stall of the machine or the
+run's first calls (one-time costs the estimate leaves out by design) of a few tenths of a second,
+on either side, is most of it. The exit status is 1 when a case shows more, or when the estimate's line (said at ``NOTICE_S`` or more) is wrong by more
 than the tolerance about the run's real length (test included). The record holds the machine, the
 load average before and after each case, the commit and the verdict.
 """
@@ -58,6 +60,8 @@ from lra.run.train import train  # noqa: E402
 
 # torch's thread count in a fresh process
 DEFAULT_THREADS = torch.get_num_threads()
+# the error allowed a run of a few seconds, whatever its share (the module docstring)
+FLOOR_S = 1.0
 MITA_MQAR_SMOKE = ["attn.landmarks=8", "attn.topk=8"]
 # ListOps' paper case: a set generated in seconds whose size changes no step's cost (val and test 96
 # rows each: three whole batches)
@@ -174,7 +178,7 @@ def check(name: str, task: str, preset: str, attn: str, sets: List[str], data_di
         "row_ratio": round(est.row_s / row_real, 3) if rows and row_real > 0 else None,
         # the line lra-run prints (the whole run, test included) beside the run's real length
         "estimate_total_s": round(est.total_s, 2), "real_total_s": round(real_total, 2), "said": said,
-        "line_right": line_right, "passed": abs(ratio - 1) <= tolerance and line_right,
+        "line_right": line_right, "passed": abs(predicted - real) <= max(tolerance * real, FLOOR_S) and line_right,
         "load_average_before": load, "load_average_after": load_average(), "took_s": round(time.perf_counter() - began, 1),
     }
 
@@ -220,7 +224,7 @@ def main() -> int:
     passed = all(r["passed"] for r in rows)
     took = time.perf_counter() - began
     head = [f"Estimate against the run, {len(rows)} cases: {'pass' if passed else 'FAIL'} (|estimate / real - 1| <= "
-            f"{args.tolerance:g} and the line said of runs of {fmt_duration(NOTICE_S)} or more). {machine}; "
+            f"{args.tolerance:g}, or within {FLOOR_S:g} s for a run of a few seconds, and the line said of runs of {fmt_duration(NOTICE_S)} or more). {machine}; "
             f"torch {torch.__version__}; checkout {commit}; load average {load} at the start, "
             f"{load_average()} at the end; {fmt_duration(took)} in all."
             + (f" Every case with --set {' '.join(args.sets)}." if args.sets else "")]

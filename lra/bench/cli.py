@@ -11,7 +11,8 @@ top-k attention too slow to run whole are estimated from a slice of the queries 
 ``--interleaved`` runs every backend of one length in one process instead, timed in rounds
 (lra/bench/interleaved.py); ``--task`` times the model of a task's configuration (lra/bench/task_model.py).
 The sweep writes record.json, table.md and throughput.png to --out (see lra/bench/sweep.py,
-lra/bench/report.py).
+lra/bench/report.py). The record is saved after every point; the same command on the same --out
+finishes an unfinished one, keeping what it measured (lra/bench/resume.py).
 """
 from __future__ import annotations
 
@@ -29,12 +30,13 @@ from attentions import build_attention, list_attentions
 
 from ..machine.allocator import setting as allocator_setting
 from ..config import MAX_BATCH, MAX_LAYERS, MAX_PROCESSES, MAX_WIDTH
-from ..machine import meminfo_gb
+from ..machine import hardware, meminfo_gb, versions
 from .flops import efficiency
 from .record import read_record
 from .plot import plot
 from .report import markdown, slopes
-from .sweep import Settings, sweep
+from .resume import check_same, kept_points, unfinished
+from .sweep import Settings, recorded_settings, sweep
 from .task_model import task_settings
 from ..cli import Parser, console
 from ..errors import UserError
@@ -281,11 +283,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     allocator_setting()  # a bad LRA_MALLOC_TUNING says so before the output folder is made
     out = output_folder(args.out, f"results/throughput/{settings.level}-{settings.device}")
     partial = out / "record.json"
+    # an unfinished record of this command (Ctrl-C, a kill, a pre-empted job): keep what it measured
+    resume = unfinished(partial)
+    if resume is not None:
+        check_same(resume, recorded_settings(settings), hardware(torch.device(settings.device)), versions(), partial)
+        kept = len(kept_points(resume, settings.interleaved)[0])
+        print(f"lra-bench: resuming the unfinished sweep in {out}: {kept} of "
+              f"{len(settings.backends) * len(settings.lengths)} points kept", file=sys.stderr)
 
     def save_partial(record: Dict[str, Any]) -> None:
         write_atomic(partial, record_bytes({**record, "complete": False}))
 
-    record = sweep(settings, quiet=args.quiet, on_point=save_partial)
+    record = sweep(settings, quiet=args.quiet, on_point=save_partial, resume=resume)
     record["command"] = "lra-bench " + " ".join(sys.argv[1:] if argv is None else argv)
     record["complete"] = True
     record["slopes"] = slopes(record)

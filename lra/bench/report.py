@@ -186,6 +186,8 @@ def header(record: Dict[str, Any]) -> List[str]:
         timing = (f"Median of {s['repeats']} rounds after each backend's first step (its memory step) and "
                   f"{s['warmup'] - 1} untimed round(s); budget {s['budget_s']:.0f} s a backend and length")
     load = record["load_average"]
+    resumed = "".join(f" Resumed at {r['at']} (commit {r['git_commit']}, load {r['load_average'][0]}; "
+                      f"{r['points_kept']} points kept from before)." for r in record.get("resumed", []))
     without = "a call that returns v" if record["level"] == "attention" else "the model with out = v in place of attention"
     threads = s["threads"] or hw["torch_threads"]
     cap = f", memory cap {s['max_mem_gb']} GiB a point" if s.get("max_mem_gb") else ""
@@ -194,7 +196,7 @@ def header(record: Dict[str, Any]) -> List[str]:
         "",
         f"{describe(hw)} ({threads} torch thread{'s' if threads != 1 else ''}); {s['dtype']}; torch {record['versions']['torch']}; "
         f"commit {record['versions']['git_commit']}; load average (1 min) {load['start'][0]} at start, "
-        f"{load.get('end', ['?'])[0]} at end.",
+        f"{load.get('end', ['?'])[0]} at end.{resumed}",
         f"{modes}. {timing}{cap}.",
         "`~` = estimated from a slice of the queries against all N keys (cost linear in the queries); "
         "`(status)` = not run, the backend already failed at a shorter length.",

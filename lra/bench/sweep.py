@@ -31,6 +31,7 @@ from . import point as bench_point
 from ..files import write_atomic
 from ..machine import hardware, load_average, versions
 from .report import fmt_length
+from .resume import Points, kept_points
 from ..run.record import now
 
 
@@ -186,8 +187,10 @@ def recorded_settings(settings: Settings) -> Dict[str, Any]:
     return {key: value for key, value in values.items() if key not in unused}
 
 
-def sweep(settings: Settings, quiet: bool = False, on_point: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
-    """Run every point of ``settings``; returns the sweep's record (without the derived tables)."""
+def sweep(settings: Settings, quiet: bool = False, on_point: Optional[Callable[[Dict[str, Any]], None]] = None,
+          resume: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Run every point of ``settings``; returns the sweep's record (without the derived tables).
+    ``resume``: an unfinished record of the same settings (lra/bench/resume.py) whose points are kept."""
     device = torch.device(settings.device)
     record: Dict[str, Any] = {
         "schema": 1,
@@ -200,15 +203,25 @@ def sweep(settings: Settings, quiet: bool = False, on_point: Optional[Callable[[
         "load_average": {"start": load_average()},
         "points": [],
     }
+    done, done_lengths = kept_points(resume, settings.interleaved) if resume else ({}, {})
+    if resume:
+        record["resumed"] = [*resume.get("resumed", []), {
+            "at": record["started_at"], "git_commit": record["versions"]["git_commit"],
+            "load_average": record["load_average"]["start"], "max_mem_gb": settings.max_mem_gb,
+            "points_kept": len(done)}]
+        record["started_at"], record["load_average"] = resume["started_at"], resume["load_average"]
     total = len(settings.lengths) * len(settings.backends) + (settings.gemm_size > 0)
     bar = tqdm(total=total, disable=quiet, unit="point", dynamic_ncols=True, file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="lra-bench-") as tmp:
         workdir = Path(tmp)
         bar.set_description("gemm")
-        record["gemm"] = measure_gemm(settings, workdir)
+        record["gemm"] = resume["gemm"] if resume and "gemm" in resume else measure_gemm(settings, workdir)
         bar.update(settings.gemm_size > 0)
-        points = interleaved_points if settings.interleaved else separate_points
-        for point in points(settings, record, workdir, bar):
+        if settings.interleaved:
+            points = interleaved_points(settings, record, workdir, bar, done, done_lengths)
+        else:
+            points = separate_points(settings, record, workdir, bar, done)
+        for point in points:
             record["points"].append(point)
             bar.update(1)
             bar.set_postfix_str(f"{point['backend']} N={point['length']}: {point['status']}")
@@ -226,13 +239,17 @@ def not_run(first: Dict[str, Any]) -> Dict[str, Any]:
             "message": f"not run: {first['status']} at N={fmt_length(first['length'])}"}
 
 
-def separate_points(settings: Settings, record: Dict[str, Any], workdir: Path, bar: tqdm) -> Iterator[Dict[str, Any]]:
-    """Every (length, backend) point in a process of its own, shortest length first."""
+def separate_points(settings: Settings, record: Dict[str, Any], workdir: Path, bar: tqdm,
+                    done: Points) -> Iterator[Dict[str, Any]]:
+    """Every (length, backend) point in a process of its own, shortest length first; a point in
+    ``done`` (of a resumed record) is kept as it was measured."""
     blocked: Dict[str, Dict[str, Any]] = {}
     for length in settings.lengths:
         for backend in settings.backends:
             bar.set_description(f"{backend} N={length}")
-            if backend in blocked:
+            if (backend, length) in done:
+                point = dict(done[(backend, length)])
+            elif backend in blocked:
                 point = not_run(blocked[backend])
             else:
                 point = measure_point(settings, backend, length, workdir)
@@ -262,14 +279,28 @@ def interleaved_length(settings: Settings, backends: List[str], length: int, bat
         batch //= 2
 
 
-def interleaved_points(settings: Settings, record: Dict[str, Any], workdir: Path, bar: tqdm) -> Iterator[Dict[str, Any]]:
+def interleaved_points(settings: Settings, record: Dict[str, Any], workdir: Path, bar: tqdm, done: Points,
+                       done_lengths: Dict[int, Dict[str, Any]]) -> Iterator[Dict[str, Any]]:
     """Every backend at one length in one process, shortest length first; each length starts at the
     batch the previous one ended at, its memory steps the hungriest backend there first. What each
-    length's process did (batches tried, allocator, load) goes to ``record["per_length"]``."""
+    length's process did (batches tried, allocator, load) goes to ``record["per_length"]``. A length
+    in ``done_lengths`` (of a resumed record) keeps its points and entry as they were measured."""
     blocked: Dict[str, Dict[str, Any]] = {}
     batch, order = settings.batch or 1, list(settings.backends)
     record["per_length"] = []
     for length in settings.lengths:
+        if length in done_lengths:
+            entry = done_lengths[length]
+            record["per_length"].append(entry)
+            batch = entry["batch"]
+            kept = [done[(backend, length)] for backend in settings.backends]
+            for point in kept:
+                if point["status"] in ("oom", "timeout") and point["backend"] not in blocked:
+                    blocked[point["backend"]] = point
+                yield dict(point)
+            measured = {p["backend"]: p for p in kept if not p.get("skipped")}
+            order = sorted(measured, key=lambda b: -(measured[b].get("peak_mem_mb") or 0.0))
+            continue
         here = [b for b in settings.backends if b not in blocked]
         bar.set_description(f"N={length}, {len(here)} backends interleaved")
         first = [b for b in order if b in here]

@@ -34,7 +34,8 @@ def git_commit() -> str:
 
 
 def environment(device: torch.device) -> Dict[str, Any]:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    # the CPU's model: ratios between backends differ from one CPU to another (AVX2, AVX-512)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
     return {
         "device": str(device),
         "device_name": f"{name} ({os.cpu_count()} CPUs visible)" if device.type == "cpu" else name,

@@ -141,4 +141,4 @@ def test_a_long_pathfinder_generation_says_what_the_rest_takes(tmp_path: Path, m
     pathfinder_write.generate(tmp_path, pathfinder_draw.lra_params(32, "curv_baseline"), size=6, seed=0, workers=1)
     (line,) = capfd.readouterr().err.splitlines()
     assert line.startswith("lra: pathfinder32 generation: about ") and line.endswith(
-        " left here (at the pace of its first 2 images); stopped, it continues where it stopped")
+        " left here (at the pace of its first 2 images); if stopped, the next run picks up where it left off")

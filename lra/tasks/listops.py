@@ -139,7 +139,7 @@ class ListOps(Task):
         large = size_mb >= NOTICE_MB
         if large:
             print(f"lra: generating ListOps ({rows:,} rows, about {size_mb:,.0f} MB) into {folder}, once (later runs "
-                  "read it); stopped, it continues where it stopped", file=sys.stderr, flush=True)
+                  "read it); if stopped, the next run picks up where it left off", file=sys.stderr, flush=True)
 
         def left(seconds: float, timed: int) -> None:
             if large:

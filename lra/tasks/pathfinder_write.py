@@ -226,7 +226,8 @@ class Pace:
         left = (time.perf_counter() - self.began) / self.done * (self.images - self.done)
         if left >= NOTICE_S:
             print(f"lra: {self.name} generation: about {fmt_duration(left)} left here (at the pace of its first "
-                  f"{self.done:,} images); stopped, it continues where it stopped", file=sys.stderr, flush=True)
+                  f"{self.done:,} images); if stopped, the next run picks up where it left off",
+                  file=sys.stderr, flush=True)
 
 
 def finish_batch(folder: Path, batch: int, chunks: Dict[int, List[str]]) -> None:

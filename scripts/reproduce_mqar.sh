@@ -4,8 +4,10 @@
 #
 #   scripts/reproduce_mqar.sh [more lra-sweep run arguments...]
 #
-# e.g. `scripts/reproduce_mqar.sh --parallel 2` (the committed matrix: 63 runs, 87 minutes on 2
-# cores) or `scripts/reproduce_mqar.sh --executor slurm --partition cpu`. Environment (all optional):
+# e.g. `scripts/reproduce_mqar.sh --parallel 2` (every backend at the config's learning rate: 198 runs)
+# or `scripts/reproduce_mqar.sh --executor slurm --partition cpu`. The committed matrix tunes the
+# learning rate of each backend and level: `lra-sweep run --spec sweeps/mqar_cpu_tuned.yaml`.
+# Environment (all optional):
 #   SEEDS="0 1 2"        seeds per (backend, level)          (default "0 1 2")
 #   PAIRS="8 16 32"      the levels: data.pairs              (default "8 16 32"; at most 42 at N = 128)
 #   BACKENDS="full mita" backends                            (default: every registered backend)

@@ -5,13 +5,14 @@
 #
 #   scripts/reproduce_mqar_budget.sh
 #
-# Every finished run of each backend at PRESET in RUNS (mqar-*_<backend>_<preset>_seed*/, every level and
-# seed there) is analysed into OUT/<its folder name>/ (skipped where its budget.md exists); then
+# Every finished run of each backend at PRESET and learning rate LR in RUNS (mqar-*_<backend>_<preset>_seed*/,
+# every level and seed there; the tuned matrix's other grid points are left out) is analysed into OUT/<its folder name>/ (skipped where its budget.md exists); then
 # OUT/mqar_<backend>_<preset>.{md,csv,tex}: each grid cell per level, over the seeds.
 # Environment (all optional):
 #   RUNS=path             the trained runs                   (default results/mqar)
 #   OUT=path              where the analyses go              (default RUNS/budget)
 #   PRESET=cpu            the runs' preset                    (default cpu)
+#   LR=0.001              the runs' train.lr                  (default 0.001: the untuned protocol's)
 #   BACKENDS="mita moba topk"                                the backends analysed
 #   EXAMPLES=1000         test examples per cell: the first EXAMPLES of the 3,000 (default 1000;
 #                         8,000 to 32,000 queries by level), the trained setting evaluated on the same
@@ -23,6 +24,7 @@ cd "$(dirname "$0")/.."
 runs="${RUNS:-results/mqar}"
 out="${OUT:-$runs/budget}"
 preset="${PRESET:-cpu}"
+lr="${LR:-0.001}"
 backends="${BACKENDS:-mita moba topk}"
 examples="${EXAMPLES:-1000}"
 # trained at 8 + 8, 2 x 8 and 16 keys per query (configs/attn/*.yaml, tasks.mqar); each grid reaches
@@ -43,6 +45,8 @@ for attn in $backends; do
   found=0
   for run in "$runs"/mqar-*_"${attn}_${preset}"_seed*; do
     [[ -f "$run/record.json" && -f "$run/best_model.pt" ]] || continue
+    python -c 'import json, sys; sys.exit(json.load(open(sys.argv[1]))["train"]["lr"] != float(sys.argv[2]))' \
+      "$run/config.json" "$lr" || continue
     found=$((found + 1))
     dest="$out/$(basename "$run")"
     if [[ -f "$dest/budget.md" ]]; then

@@ -28,7 +28,10 @@ FOCUS, REFERENCE = "mita", "full"
 FOCUS_STYLE = {"color": "#d62728", "marker": "*", "markersize": 11, "linewidth": 2.6, "zorder": 5}
 REFERENCE_STYLE = {"color": "black", "marker": "s", "markersize": 5, "linewidth": 1.4, "linestyle": "--", "zorder": 4}
 # the other backends of a panel: tab10 without its red (MiTA's), each with a marker of its own
-COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+# eleven colours (tab10 without its red, the focus's, and two of tab20b) and ten markers: the
+# families' panels hold up to eleven backends besides the focus and the reference, each distinct
+COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
+           "#637939", "#7b4173"]
 MARKERS = ["o", "s", "D", "^", "v", "P", "X", "<", ">", "h"]
 # a family's colour where a plot colours by family (the focus keeps its own)
 FAMILY_COLOURS = {"routing": "#1f77b4", "compression": "#2ca02c", "both": "#9467bd", "none": "#7f7f7f"}
@@ -66,7 +69,7 @@ def by_family(rows: List[Any], name: Callable[[Any], str] = lambda row: row.attn
 
 def line_styles(names: List[str]) -> Dict[str, Dict[str, Any]]:
     """Matplotlib keyword arguments per backend name of one panel: the focus's and the reference's own,
-    every other a colour and a marker of its own (cycling past nine)."""
+    every other a colour and a marker of its own (cycling past eleven)."""
     styles: Dict[str, Dict[str, Any]] = {}
     others = 0
     for name in names:

@@ -31,6 +31,14 @@ def accuracies(per_pairs: Dict[int, List[Dict[str, Any]]]) -> Dict[int, List[flo
     return {p: v for p, v in sorted(values.items()) if v}
 
 
+def tuned_note(cells: Cells) -> str:
+    """"; tuned: ..." naming what was tuned where a cell's runs come from a tuning grid (lra-sweep tune;
+    the cells are then at their chosen values), else ""."""
+    keys = sorted({key for per_pairs in cells.values() for rs in per_pairs.values() for r in rs
+                   for key in ((r.get("config") or {}).get("tuning") or {}).get("grid", {})})
+    return f"; tuned cells at their best {', '.join(keys)}" if keys else ""
+
+
 def label_of(row: Row) -> str:
     return f"{row.attn} ({row.keys} of {row.n} keys)" if row.keys is not None else f"{row.attn} ({row.budget})"
 
@@ -105,7 +113,8 @@ def recall_vs_pairs(cells: Cells, path: Path) -> Path:
             legend = below.legend(*ax.get_legend_handles_labels(), fontsize=7, loc="upper center", frameon=False)
             bold_focus(legend.get_texts())
     band = "line: mean over seeds; band: lowest to highest seed" if several else "one seed per point"
-    return finish(fig, f"MQAR recall against the number of key-value pairs, by family ({band})", {}, path)
+    return finish(fig, f"MQAR recall against the number of key-value pairs, by family ({band}{tuned_note(cells)})",
+                  {}, path)
 
 
 def recall_by_family(cells: Cells, path: Path) -> Path:
@@ -158,4 +167,4 @@ def recall_by_family(cells: Cells, path: Path) -> Path:
     handles, names_ = axes[0][0].get_legend_handles_labels()
     legend = dict(zip(names_, handles))
     whisker = "bar: mean over seeds; whisker: lowest to highest seed" if several else "one seed per bar"
-    return finish(fig, f"MQAR recall of every backend, by family ({whisker})", legend, path)
+    return finish(fig, f"MQAR recall of every backend, by family ({whisker}{tuned_note(cells)})", legend, path)

@@ -48,7 +48,19 @@ def kill_when(proc: subprocess.Popen, ready: Callable[[], bool], sig: int = sign
     proc.wait(timeout=60)
 
 
-LISTOPS_CHILD = """
+# each chunk of a child's ListOps generation made 50 ms slower, so that the signal sent once a few
+# shards are on disk lands while the rest are being made, however busy the machine (a chunk of 10
+# rows alone takes about a millisecond)
+SLOW_LISTOPS_CHUNKS = """
+    import time
+    from lra.tasks import listops_gen
+    chunk_of = listops_gen.generate_chunk
+    def slow_chunk(args):
+        time.sleep(0.05)
+        return chunk_of(args)
+    listops_gen.generate_chunk = slow_chunk
+"""
+LISTOPS_CHILD = SLOW_LISTOPS_CHUNKS + """
     from pathlib import Path
     from lra.tasks import listops_gen
     listops_gen.CHUNK = {chunk}
@@ -77,7 +89,7 @@ def test_a_killed_listops_generation_continues_to_the_same_bytes(tmp_path: Path,
 
 
 def test_ctrl_c_in_lra_data_keeps_the_listops_shards_and_says_so(tmp_path: Path) -> None:
-    code = f"""
+    code = textwrap.dedent(SLOW_LISTOPS_CHUNKS) + textwrap.dedent(f"""
         import sys
         from lra.tasks import listops, listops_gen
         listops_gen.CHUNK = {LISTOPS_CHUNK}
@@ -85,7 +97,7 @@ def test_ctrl_c_in_lra_data_keeps_the_listops_shards_and_says_so(tmp_path: Path)
         from lra.cli.data import entry
         sys.argv = ["lra-data", "generate", "listops", "--size", "{LISTOPS_SIZE}", "--data-dir", {str(tmp_path)!r}]
         entry()
-    """
+    """)
     proc = child(code)
     parts = tmp_path / f"listops_n{LISTOPS_SIZE}_seed0" / listops_gen.PARTS
     kill_when(proc, lambda: len(list(parts.glob("*.tsv.gz"))) >= 3, signal.SIGINT)

@@ -90,7 +90,11 @@ def test_a_killed_listops_generation_continues_to_the_same_bytes(tmp_path: Path,
 
 def test_ctrl_c_in_lra_data_keeps_the_listops_shards_and_says_so(tmp_path: Path) -> None:
     code = textwrap.dedent(SLOW_LISTOPS_CHUNKS) + textwrap.dedent(f"""
+        import signal
         import sys
+        # Ctrl-C as a terminal delivers it: a suite started as a shell's background job hands its
+        # children SIGINT ignored, and Python then keeps it ignored
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from lra.tasks import listops, listops_gen
         listops_gen.CHUNK = {LISTOPS_CHUNK}
         listops.NOTICE_MB = 0

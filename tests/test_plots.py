@@ -104,3 +104,37 @@ def test_the_recall_plot_has_a_panel_per_family_with_mita_and_full_in_each(tmp_p
         # at most ten backends of one family besides them: each its own colour and marker
         own = [(line.get_color(), line.get_marker()) for line in ax.lines if line.get_label().split(" ")[0] not in ("mita", "full")]
         assert len(set(own)) == len(own) <= 10
+
+
+def test_point_labels_cover_no_other_label_and_no_marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """22 backends crowded on one plateau (as ListOps's cpu runs are): in every panel each label sits
+    inside the panel and clear of every other label and of every marker."""
+    from attentions import list_attentions
+    from matplotlib.collections import PathCollection
+    from matplotlib.text import Text
+
+    from lra.tables import plots
+
+    figures = drawn(monkeypatch)
+    names = list_attentions()
+    records = [make_record("listops", name, seed, 0.33 + 0.002 * (i % 4) + 0.001 * seed,
+                           train_time_s=200.0 + 15.0 * (i % 5) + seed)
+               for i, name in enumerate(names) for seed in (0, 1)]
+    plots.accuracy_vs_time(plots.by_series(records, names), tmp_path / "time.png")
+    figure = figures[0]
+    figure.canvas.draw()  # sets each annotation's transform from its offset
+    renderer = figure.canvas.get_renderer()
+    for ax in [a for a in figure.axes if a.get_visible()]:
+        labels = [Text.get_window_extent(t, renderer) for t in ax.texts]  # the text alone, not its leader
+        assert len(labels) >= 4
+        panel = ax.get_window_extent(renderer)
+        for n, box in enumerate(labels):
+            assert panel.x0 <= box.x0 and box.x1 <= panel.x1 and panel.y0 <= box.y0 and box.y1 <= panel.y1
+            assert not any(box.overlaps(other) for other in labels[n + 1:]), ax.texts[n].get_text()
+        scale = figure.dpi / 72.0
+        for collection in [c for c in ax.collections if isinstance(c, PathCollection)]:
+            for x, y in collection.get_offsets():
+                px, py = ax.transData.transform((x, y))
+                r = collection.get_sizes()[0] ** 0.5 / 2 * scale
+                for box, text in zip(labels, ax.texts):
+                    assert not (box.x0 < px + r and px - r < box.x1 and box.y0 < py + r and py - r < box.y1), text.get_text()

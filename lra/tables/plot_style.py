@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import matplotlib
 
@@ -93,11 +93,15 @@ def bold_focus(labels: Any) -> None:
             label.set_color(FOCUS_STYLE["color"])
 
 
-def finish(fig: Any, title: str, handles: Dict[str, Any], path: Path) -> Path:
-    """The figure's title and (when given) its legend outside the axes, saved to ``path``."""
+def finish(fig: Any, title: str, handles: Dict[str, Any], path: Path,
+           before_save: Optional[Callable[[], Any]] = None) -> Path:
+    """The figure's title and (when given) its legend outside the axes, saved to ``path``;
+    ``before_save`` runs once the layout is final (what is placed in display units goes on there)."""
     fig.suptitle(title, fontsize=10)
     if handles:
         fig.legend(list(handles.values()), list(handles), fontsize="small", loc="upper left",
                    bbox_to_anchor=(1.0, 0.9), frameon=False)
     fig.tight_layout()
+    if before_save is not None:
+        before_save()
     return save(fig, path)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import matplotlib.pyplot as plt
+from matplotlib.collections import PathCollection
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
 from ..format import model
@@ -205,6 +206,7 @@ def accuracy_vs_time(series: Series, path: Path) -> Path:
     times = [r["train_time_s"] for *_, rs in points.values() for r in rs]
     accs = [acc for _, acc, _ in points.values()] + list(majority(series).values())
     several = False
+    labelled: List[Tuple[Any, List[Tuple[str, str, float, float]]]] = []
     for ax, (family, members) in zip(axes.flat, families):
         focus = [label for label in series if backends[label] == FOCUS]
         shown = members + [label for label in focus if label not in members]
@@ -236,7 +238,7 @@ def accuracy_vs_time(series: Series, path: Path) -> Path:
         ax.set_title(f"{family_title(family)}: {len(members)} backend{'s' if len(members) != 1 else ''}"
                      + (f" (and {FOCUS}, red)" if family_of(FOCUS) != family and focus else ""), fontsize=9)
         ax.set_xscale("log")
-        label_points(ax, placed)
+        labelled.append((ax, placed))
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(families):]:
         ax.set_visible(False)
@@ -256,8 +258,10 @@ def accuracy_vs_time(series: Series, path: Path) -> Path:
     for handle, name in zip(*axes[0][0].get_legend_handles_labels()):
         handles.setdefault(name, handle)
     bars = "; bars: std of the accuracy and range of the time over seeds" if several else ""
+    # the labels go on last, once the limits and the layout are final: they are placed in points
     return finish(fig, f"Test accuracy against training time, by family ({presets_text(series)}; grey: the other "
-                  f"families{bars})", handles, path)
+                  f"families{bars})", handles, path,
+                  before_save=lambda: [label_points(ax, placed, markers_of(ax)) for ax, placed in labelled])
 
 
 def time_axis(ax: Any, times: List[float]) -> None:
@@ -271,22 +275,56 @@ def time_axis(ax: Any, times: List[float]) -> None:
     ax.xaxis.set_minor_formatter(NullFormatter())
 
 
-def label_points(ax: Any, points: List[Tuple[str, str, float, float]]) -> None:
-    """Name every point beside it; a label that would overlap one already placed moves up in steps of
-    a line, with a thin leader back to its point, so close runs (several backends on the same
-    plateau) stay readable without the legend."""
+def markers_of(ax: Any) -> List[Tuple[float, float, float]]:
+    """Every scatter marker drawn on ``ax``: x, y (display points) and half its width (points)."""
     to_points = 72.0 / ax.figure.dpi
-    placed: List[Tuple[float, float, float]] = []  # x, y (points), width of the label (points)
+    found = []
+    for collection in ax.collections:
+        if not isinstance(collection, PathCollection):  # error bars are line collections
+            continue
+        offsets, sizes = collection.get_offsets(), collection.get_sizes()
+        for n, (x, y) in enumerate(offsets):
+            px, py = (c * to_points for c in ax.transData.transform((x, y)))
+            found.append((px, py, math.sqrt(sizes[n % len(sizes)]) / 2))
+    return found
+
+
+def label_points(ax: Any, points: List[Tuple[str, str, float, float]],
+                 markers: List[Tuple[float, float, float]] = ()) -> None:
+    """Name every point beside it, in the first place near it where the label covers no label already
+    placed, no marker and nothing outside the panel: right of the point, above then below, then left,
+    then further up or down a line at a time, right or left, with a thin leader back to its point, so close runs
+    (several backends on the same plateau) stay readable without the legend. Call it once the axes'
+    limits and the figure's layout are final: the places are worked out in display points."""
+    to_points = 72.0 / ax.figure.dpi
+    (left, bottom), (right, top) = (c * to_points for c in ax.get_window_extent().get_points())
+    boxes: List[Tuple[float, float, float, float]] = [(x - r, y - r, x + r, y + r) for x, y, r in markers]
+
+    def free(box: Tuple[float, float, float, float], within: bool) -> bool:
+        x0, y0, x1, y1 = box
+        if within and not (left <= x0 and x1 <= right and bottom <= y0 and y1 <= top):
+            return False
+        return not any(x0 < b2 and b0 < x1 and y0 < b3 and b1 < y1 for b0, b1, b2, b3 in boxes)
+
+    renderer = ax.figure.canvas.get_renderer()
+
     for label, color, time, acc in sorted(points, key=lambda p: (p[3], p[2])):
         px, py = (c * to_points for c in ax.transData.transform((time, acc)))
-        width = 4.2 * len(label) + 6
-        dy = 4.0
-        while any(abs(px - qx) < max(width, w) and abs(py + dy - qy) < 8 for qx, qy, w in placed):
-            dy += 8.0
-        placed.append((px, py + dy, width))
-        arrow = {"arrowstyle": "-", "color": color, "linewidth": 0.5} if dy > 4.0 else None
-        ax.annotate(label, (time, acc), textcoords="offset points", xytext=(5, dy), fontsize=7, color=color,
-                    arrowprops=arrow)
+        probe = ax.text(0, 0, label, fontsize=7)  # the label's size as it will be drawn
+        extent = probe.get_window_extent(renderer)
+        probe.remove()
+        width, height = extent.width * to_points + 1, extent.height * to_points + 1  # a point apart
+        near = [(5.0, 3.0), (5.0, -3.0 - height), (-5.0 - width, 3.0), (-5.0 - width, -3.0 - height)]
+        further = [(x, sign * (3.0 + step * height) - (height if sign < 0 else 0.0))
+                   for step in range(1, 10) for sign in (1, -1) for x in (5.0, -5.0 - width)]
+        candidates = near + further
+        # inside the panel where there is room, else (a point at its edge) the first place clear of the rest
+        dx, dy = next(((x, y) for within in (True, False) for x, y in candidates
+                       if free((px + x, py + y, px + x + width, py + y + height), within)), near[0])
+        boxes.append((px + dx, py + dy, px + dx + width, py + dy + height))
+        arrow = {"arrowstyle": "-", "color": color, "linewidth": 0.5} if (dx, dy) not in near else None
+        ax.annotate(label, (time, acc), textcoords="offset points", xytext=(dx, dy), fontsize=7, color=color,
+                    va="bottom", arrowprops=arrow)
 
 
 def plot_all(records: List[Dict[str, Any]], out: Path, order: List[str],

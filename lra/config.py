@@ -100,6 +100,11 @@ class TrainConfig:
     precision: str = "auto"
     # torch CPU threads (0 = torch's default)
     threads: int = 0
+    # on the CPU, flush denormal floats to zero (torch.set_flush_denormal): weights or activations
+    # that drift into the denormal range make each float operation on them many times slower, so a
+    # run's train time can measure the CPU's denormal handling rather than the backend; off by
+    # default, so a run repeats the values of the committed records to the last digit
+    flush_denormal: bool = False
     # where the scalars of metrics.jsonl also go: none, tensorboard or wandb (lra/run/trackers.py); not
     # part of a run's identity (a run resumes under another tracker)
     tracker: str = "none"

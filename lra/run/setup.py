@@ -105,6 +105,8 @@ def prepare(cfg: RunConfig) -> Prepared:
         raise UserError(f"train.batch_size ({tc.batch_size}) must be divisible by the {d.world_size} processes")
     if tc.threads:
         torch.set_num_threads(tc.threads)
+    if device.type == "cpu":
+        torch.set_flush_denormal(tc.flush_denormal)  # False where the CPU has no such mode: nothing to flush
     keep_freed_memory()
     bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
 

@@ -138,3 +138,19 @@ def test_point_labels_cover_no_other_label_and_no_marker(tmp_path: Path, monkeyp
                 r = collection.get_sizes()[0] ** 0.5 / 2 * scale
                 for box, text in zip(labels, ax.texts):
                     assert not (box.x0 < px + r and px - r < box.x1 and box.y0 < py + r and py - r < box.y1), text.get_text()
+
+
+def test_the_titles_say_when_backends_are_tuned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lra.tables import plots
+
+    figures = drawn(monkeypatch)
+    plain = [make_record("listops", "full", 0, 0.3), make_record("listops", "mita", 0, 0.4)]
+    tuned = make_record("listops", "mita", 0, 0.4)
+    tuned["config"] = {**(tuned.get("config") or {}), "tuning": {"grid": {"train.lr": [1e-3, 3e-3]}, "seed": 0}}
+    for records in (plain, [plain[0], tuned]):
+        series = plots.by_series(records, ["full", "mita"])
+        plots.accuracy_bars(series, tmp_path / "bars.png")
+        plots.accuracy_vs_time(series, tmp_path / "time.png")
+    titles = [f._suptitle.get_text() for f in figures]
+    assert not any("tuned" in t for t in titles[:2])
+    assert all("train.lr tuned where the table says" in t for t in titles[2:])

@@ -73,8 +73,13 @@ def published_full(published: List[Dict[str, str]]) -> Dict[str, Tuple[float, fl
 
 
 def presets_text(series: Series) -> str:
-    presets = sorted({r["preset"] for s in series.values() for rs in s.values() for r in rs})
-    return f"preset {', '.join(presets)}"
+    """The presets drawn, and what was tuned where some backends' runs come from a tuning grid (those
+    are drawn at their chosen values, the others at the preset's)."""
+    records = [r for s in series.values() for rs in s.values() for r in rs]
+    presets = sorted({r["preset"] for r in records})
+    keys = sorted({key for r in records for key in (((r.get("config") or {}).get("tuning") or {}).get("grid") or {})})
+    note = f"; {', '.join(keys)} tuned where the table says" if keys else ""
+    return f"preset {', '.join(presets)}{note}"
 
 
 def attn_of(series: Series) -> Dict[str, str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import matplotlib
 
@@ -91,6 +91,11 @@ def bold_focus(labels: Any) -> None:
         if label.get_text().split(" ")[0] == FOCUS:
             label.set_fontweight("bold")
             label.set_color(FOCUS_STYLE["color"])
+
+
+def tuned_keys(records: Iterable[Dict[str, Any]]) -> List[str]:
+    """The config keys tuned (lra-sweep tune: each record's ``config.tuning.grid``) in any of ``records``."""
+    return sorted({key for r in records for key in (((r.get("config") or {}).get("tuning") or {}).get("grid") or {})})
 
 
 def finish(fig: Any, title: str, handles: Dict[str, Any], path: Path,

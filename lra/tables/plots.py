@@ -12,7 +12,7 @@ import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import matplotlib.pyplot as plt
 from matplotlib.collections import PathCollection
@@ -21,7 +21,7 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 from ..format import model
 from . import plot_style
 from .plot_style import (FAMILIES, FAMILY_COLOURS, FOCUS, FOCUS_STYLE, bold_focus, by_family, family_of, family_title,
-                         finish, line_styles, save)
+                         finish, line_styles, save, tuned_keys)
 from .plots_recall import recall_by_family, recall_vs_pairs
 from .summary import TASKS, TITLES
 
@@ -77,7 +77,7 @@ def presets_text(series: Series) -> str:
     are drawn at their chosen values, the others at the preset's)."""
     records = [r for s in series.values() for rs in s.values() for r in rs]
     presets = sorted({r["preset"] for r in records})
-    keys = sorted({key for r in records for key in (((r.get("config") or {}).get("tuning") or {}).get("grid") or {})})
+    keys = tuned_keys(records)
     note = f"; {', '.join(keys)} tuned where the table says" if keys else ""
     return f"preset {', '.join(presets)}{note}"
 
@@ -266,7 +266,7 @@ def accuracy_vs_time(series: Series, path: Path) -> Path:
     # the labels go on last, once the limits and the layout are final: they are placed in points
     return finish(fig, f"Test accuracy against training time, by family ({presets_text(series)}; grey: the other "
                   f"families{bars})", handles, path,
-                  before_save=lambda: [label_points(ax, placed, markers_of(ax)) for ax, placed in labelled])
+                  before_save=lambda: label_panels(labelled))
 
 
 def time_axis(ax: Any, times: List[float]) -> None:
@@ -278,6 +278,11 @@ def time_axis(ax: Any, times: List[float]) -> None:
     ax.xaxis.set_major_locator(FixedLocator(TIME_TICKS))
     ax.xaxis.set_major_formatter(FuncFormatter(duration_label))
     ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def label_panels(labelled: List[Tuple[Any, List[Tuple[str, str, float, float]]]]) -> None:
+    for ax, placed in labelled:
+        label_points(ax, placed, markers_of(ax))
 
 
 def markers_of(ax: Any) -> List[Tuple[float, float, float]]:
@@ -295,12 +300,12 @@ def markers_of(ax: Any) -> List[Tuple[float, float, float]]:
 
 
 def label_points(ax: Any, points: List[Tuple[str, str, float, float]],
-                 markers: List[Tuple[float, float, float]] = ()) -> None:
+                 markers: Sequence[Tuple[float, float, float]] = ()) -> None:
     """Name every point beside it, in the first place near it where the label covers no label already
     placed, no marker and nothing outside the panel: right of the point, above then below, then left,
-    then further up or down a line at a time, right or left, with a thin leader back to its point, so close runs
-    (several backends on the same plateau) stay readable without the legend. Call it once the axes'
-    limits and the figure's layout are final: the places are worked out in display points."""
+    then further up or down a line at a time, right or left, with a thin leader back to its point, so
+    close runs (several backends on the same plateau) stay readable without the legend. Call it once
+    the axes' limits and the figure's layout are final: the places are worked out in display points."""
     to_points = 72.0 / ax.figure.dpi
     (left, bottom), (right, top) = (c * to_points for c in ax.get_window_extent().get_points())
     boxes: List[Tuple[float, float, float, float]] = [(x - r, y - r, x + r, y + r) for x, y, r in markers]
@@ -312,7 +317,6 @@ def label_points(ax: Any, points: List[Tuple[str, str, float, float]],
         return not any(x0 < b2 and b0 < x1 and y0 < b3 and b1 < y1 for b0, b1, b2, b3 in boxes)
 
     renderer = ax.figure.canvas.get_renderer()
-
     for label, color, time, acc in sorted(points, key=lambda p: (p[3], p[2])):
         px, py = (c * to_points for c in ax.transData.transform((time, acc)))
         probe = ax.text(0, 0, label, fontsize=7)  # the label's size as it will be drawn

@@ -10,7 +10,8 @@ from typing import Any, Dict, List, Tuple
 import matplotlib.pyplot as plt
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
-from .plot_style import FOCUS, FOCUS_STYLE, REFERENCE, bold_focus, by_family, family_title, finish, line_styles, save
+from .plot_style import (FOCUS, FOCUS_STYLE, REFERENCE, bold_focus, by_family, family_title, finish, line_styles, save,
+                         tuned_keys)
 from .recall import Cells, Row
 
 Panel = Tuple[str, str, int, int]
@@ -34,8 +35,7 @@ def accuracies(per_pairs: Dict[int, List[Dict[str, Any]]]) -> Dict[int, List[flo
 def tuned_note(cells: Cells) -> str:
     """"; tuned: ..." naming what was tuned where a cell's runs come from a tuning grid (lra-sweep tune;
     the cells are then at their chosen values), else ""."""
-    keys = sorted({key for per_pairs in cells.values() for rs in per_pairs.values() for r in rs
-                   for key in ((r.get("config") or {}).get("tuning") or {}).get("grid", {})})
+    keys = tuned_keys(r for per_pairs in cells.values() for rs in per_pairs.values() for r in rs)
     return f"; tuned cells at their best {', '.join(keys)}" if keys else ""
 
 

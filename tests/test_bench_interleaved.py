@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
+import resource
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
@@ -13,8 +15,9 @@ import torch
 
 from lra.bench import sweep as bench_sweep
 from lra.bench.cli import main as bench_main
-from lra.bench.interleaved import BackendMemory
-from lra.bench.measure import reset_peak_rss
+from lra.bench import interleaved
+from lra.bench.interleaved import BackendMemory, run_interleaved
+from lra.bench.measure import ResidentCap, is_oom, reset_peak_rss
 from lra.bench.sweep import Settings
 from lra.bench.task_model import task_settings
 from lra.cli import guarded
@@ -94,6 +97,74 @@ def test_each_backends_memory_is_its_own_in_one_process() -> None:
         peaks.append(memory.result()["peak_mem_mb"])
     # the second measurement is of its own 64 MiB, not the first one's 256 MiB peak
     assert peaks[0] == pytest.approx(256, abs=24) and peaks[1] == pytest.approx(64, abs=24)
+
+
+def test_the_memory_cap_counts_what_is_resident_not_what_an_earlier_backend_left_mapped() -> None:
+    if not reset_peak_rss():
+        pytest.skip("needs Linux's /proc/self (the cap reads the resident set there)")
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    mib = 2**20
+    try:
+        cap = ResidentCap(0.25)
+        cap.renew()
+        # an earlier backend's 160 MiB: mapped, touched, handed back to the kernel, still mapped
+        left = mmap.mmap(-1, 160 * mib)
+        for offset in range(0, 160 * mib, mib):
+            left[offset:offset + mib] = b"\1" * mib
+        left.madvise(mmap.MADV_DONTNEED)
+        cap.renew()
+        block = torch.ones(160 * mib // 4)  # fits: the earlier 160 MiB are not resident
+        cap.renew()
+        # what is resident counts: 160 + 160 MiB pass the 256 MiB cap
+        with pytest.raises(RuntimeError) as caught:
+            torch.ones(160 * mib // 4)
+        assert is_oom(caught.value)
+        del block, left
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def small_spec(tmp_path: Path, halve: bool) -> Dict[str, Any]:
+    settings = Settings(
+        level="model", backends=["full", "linear"], lengths=[128], device="cpu", dtype="float32",
+        batch=4, heads=2, head_dim=16, layers=1, width=32, ffn_dim=32, dropout=0.0, budget_s=60.0, max_mem_gb=None,
+        warmup=1, repeats=2, estimate="never", slice_queries=128, threads=1, gemm_size=0, max_batch=4, min_gain=0.0,
+        interleaved=True,
+    )
+    return {**bench_sweep.child_spec(settings, "", 128, 4), "backends": ["full", "linear"],
+            "memory_order": ["linear", "full"], "attn_options": {}, "halve_on_oom": halve,
+            "result_path": str(tmp_path / "result.json")}
+
+
+@pytest.mark.parametrize("halve", [True, False], ids=["batch-left-to-halve", "batch-1"])
+def test_a_step_out_of_memory_in_the_rounds_halves_the_batch_for_every_backend(
+        halve: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    real = interleaved.train_step
+
+    def train_step(model: Any, point: Dict[str, Any], *args: Any) -> Any:
+        step = real(model, point, *args)
+        if point["backend"] != "linear" or point["batch"] != 4:
+            return step
+        taken: List[int] = []
+
+        def first_fits_then_out_of_memory() -> None:
+            # linear's first step fits; its steps in the rounds, with full's model held too, do not
+            taken.append(1)
+            if len(taken) > 1:
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 67141632 bytes")
+            step()
+        return first_fits_then_out_of_memory
+
+    monkeypatch.setattr(interleaved, "train_step", train_step)
+    result = run_interleaved(small_spec(tmp_path, halve))
+    assert result == json.loads((tmp_path / "result.json").read_text())
+    points = result["points"]
+    assert points["linear"]["status"] == "oom" and "can't allocate memory" in points["linear"]["message"]
+    if halve:  # the process ends; the sweep tries every backend again at half the batch
+        assert (result["status"], result["halve"]) == ("oom", "linear")
+    else:  # at batch 1 the backend is recorded as out of memory and the others are timed
+        assert result["status"] == "ok" and points["full"]["status"] == "ok"
+        assert len(points["full"]["train"]["times_s"]) == 2
 
 
 def test_task_settings_are_the_task_configurations() -> None:

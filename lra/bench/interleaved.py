@@ -15,7 +15,8 @@ The process of one (length, batch), started by lra/bench/sweep.py:
    recorded as ``timeout``; one that raises anything else as ``error``. The others go on.
 3. Rounds: ``warmup - 1`` untimed rounds, then ``repeats`` timed ones, one training step of each
    backend a round in the order of ``backends`` (full first). A backend's time is the median of its
-   rounds.
+   rounds. A step that runs out of memory here ends the process like one in step 2: every backend
+   holds its model and optimizer through the rounds, and the batch is one for all of them.
 
 Memory on the CPU: before each backend the heaps' free pages go back to the kernel (malloc_trim) and
 the process's peak resident set is reset (/proc/self/clear_refs); the backend's peak is the peak
@@ -23,6 +24,12 @@ resident set during its build and step minus the resident set before it. Blocks 
 are mapped per use then (lra/machine/allocator.py), so the resident set follows what the tensors
 need. On CUDA: max_memory_allocated minus memory_allocated before the build, the peak reset first.
 Where the peak cannot be reset (not Linux), no peak is recorded.
+
+The memory cap (``max_mem_gb``, CPU): each backend's build and first step, and each step of the
+rounds, may bring the resident set to at most ``max_mem_gb`` above what the process held once set
+up (lra/bench/measure.py ResidentCap). It is renewed before each, from what is resident then, so
+address space that an earlier backend left mapped but not resident does not count: whether a
+backend fits does not depend on the order the backends ran in.
 
 Timing on the CPU keeps every freed block on the heap (no page faults once the heap has grown): the
 hungriest backend takes one untimed step first, which grows it. Rounds that run out of memory that
@@ -44,7 +51,7 @@ import torch
 
 from ..files import write_atomic
 from ..machine import allocator, load_average
-from .measure import OverBudget, is_oom, proc_status_mb, reset_peak_rss, summarize, timed
+from .measure import OverBudget, ResidentCap, is_oom, proc_status_mb, reset_peak_rss, summarize, timed
 from .point import prepare
 from .workloads import batch_inputs, build_model, kernel_of, train_step
 
@@ -99,10 +106,11 @@ class BackendMemory:
 
 
 def first_step(spec: Dict[str, Any], backend: str, inputs: Inputs, device: torch.device, dtype: torch.dtype,
-               memory: BackendMemory) -> Tuple[Step, Dict[str, Any]]:
+               memory: BackendMemory, cap: ResidentCap) -> Tuple[Step, Dict[str, Any]]:
     """Build ``backend``'s model and optimizer from the seed and take one training step, under the
-    backend's budget; its step function and what the step measured."""
+    backend's budget and the memory cap; its step function and what the step measured."""
     memory.start()
+    cap.renew()
     begin = time.perf_counter()
     with time_limit(spec["budget_s"], f"{backend}'s model and first step"):
         torch.manual_seed(spec["seed"])
@@ -155,21 +163,33 @@ def over_budget(spec: Dict[str, Any], first_s: float) -> Optional[Dict[str, Any]
                        f"{spec['budget_s']:.0f} s a backend and length"}
 
 
+class Halve(Exception):
+    """A backend's step ran out of memory in the rounds at a batch that can be halved."""
+
+    def __init__(self, backend: str, status: Dict[str, Any]):
+        super().__init__(f"{backend}: {status['message']}")
+        self.backend, self.status = backend, status
+
+
 def rounds(steps: Dict[str, Step], spec: Dict[str, Any], device: torch.device, failed: Dict[str, Dict[str, Any]],
-           kept: bool, save: Callable[[Dict[str, List[float]]], None]) -> Dict[str, List[float]]:
-    """The untimed then the timed rounds of every backend not ``failed``; a backend that fails in
-    them is added to ``failed``. Out of memory with every freed block ``kept`` is raised instead."""
+           kept: bool, save: Callable[[Dict[str, List[float]]], None], cap: ResidentCap) -> Dict[str, List[float]]:
+    """The untimed then the timed rounds of every backend not ``failed``, each step under the memory
+    cap; a backend that fails in them is added to ``failed``. Out of memory with every freed block
+    ``kept`` is raised as it is; out of memory otherwise, while the batch can be halved, as Halve."""
     times: Dict[str, List[float]] = {name: [] for name in steps}
     for number in range(spec["warmup"] - 1 + spec["repeats"]):
         for name, step in steps.items():
             if name in failed:
                 continue
             try:
+                cap.renew()
                 with time_limit(spec["budget_s"], f"a step of {name}"):
                     took = timed(step, device)
             except Exception as err:  # noqa: BLE001 - a failure is the backend's status
                 if kept and is_oom(err):
                     raise
+                if is_oom(err) and spec.get("halve_on_oom"):
+                    raise Halve(name, failure(err)) from None
                 failed[name] = failure(err)
                 continue
             if number >= spec["warmup"] - 1:
@@ -179,7 +199,7 @@ def rounds(steps: Dict[str, Step], spec: Dict[str, Any], device: torch.device, f
 
 
 def timed_rounds(steps: Dict[str, Step], spec: Dict[str, Any], device: torch.device, failed: Dict[str, Dict[str, Any]],
-                 hungriest: Optional[str], save: Callable[[Dict[str, List[float]]], None]
+                 hungriest: Optional[str], save: Callable[[Dict[str, List[float]]], None], cap: ResidentCap
                  ) -> Tuple[Dict[str, List[float]], str]:
     """The rounds with every freed block kept (the CPU; ``hungriest`` takes one untimed step first,
     which grows the heap), again with big blocks mapped if that runs out of memory; the times and
@@ -188,8 +208,9 @@ def timed_rounds(steps: Dict[str, Step], spec: Dict[str, Any], device: torch.dev
     times = None
     try:
         if kept and hungriest is not None:
+            cap.renew()
             timed(steps[hungriest], device)
-        times, setting = rounds(steps, spec, device, failed, kept, save), allocator.setting_now()
+        times, setting = rounds(steps, spec, device, failed, kept, save, cap), allocator.setting_now()
     except Exception as err:  # noqa: BLE001 - running out of memory is timed again below, the rest re-raised
         if not (kept and is_oom(err)):
             raise
@@ -198,7 +219,7 @@ def timed_rounds(steps: Dict[str, Step], spec: Dict[str, Any], device: torch.dev
             allocator.return_freed_memory()
     if times is None:  # outside the except block, so that the failed step's tensors are freed
         gc.collect()
-        times = rounds(steps, spec, device, failed, False, save)
+        times = rounds(steps, spec, device, failed, False, save, cap)
         setting = allocator.setting_now() + " (every freed block kept ran out of memory)"
     return times, setting
 
@@ -207,6 +228,7 @@ def run_interleaved(spec: Dict[str, Any]) -> Dict[str, Any]:
     """Measure every backend of ``spec["backends"]`` at one length and batch; saved to the spec's
     result_path after each backend's first step and each round, so a killed process leaves them."""
     device, dtype = prepare(spec)
+    cap = ResidentCap(spec["max_mem_gb"] if device.type == "cpu" else None)
     start_load = load_average()
     warm_up(spec, device, dtype)
     inputs = batch_inputs(spec, device)
@@ -224,7 +246,7 @@ def run_interleaved(spec: Dict[str, Any]) -> Dict[str, Any]:
         points[name] = {"status": "running", "kernel": kernel_of(name, device, spec["attn_options"].get(name, {}))}
         status = None
         try:
-            steps[name], measured = first_step(spec, name, inputs, device, dtype, memory)
+            steps[name], measured = first_step(spec, name, inputs, device, dtype, memory, cap)
         except Exception as err:  # noqa: BLE001 - a failure is the backend's status
             status = failure(err)
         if status is None:
@@ -248,7 +270,11 @@ def run_interleaved(spec: Dict[str, Any]) -> Dict[str, Any]:
         save("running")
 
     ordered = {name: steps[name] for name in spec["backends"] if name in steps}
-    times, setting = timed_rounds(ordered, spec, device, failed, hungriest, save_times)
+    try:
+        times, setting = timed_rounds(ordered, spec, device, failed, hungriest, save_times, cap)
+    except Halve as halt:
+        points[halt.backend].update(halt.status)
+        return save("oom", halve=halt.backend, message=str(halt))
     for name in spec["backends"]:
         point = points[name]
         point.pop("times_s", None)

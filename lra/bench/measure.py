@@ -62,6 +62,30 @@ def cap_address_space(extra_gb: float) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
 
 
+class ResidentCap:
+    """The memory cap of a process that runs one piece of work after another (the interleaved
+    backends of lra/bench/interleaved.py, CPU): each may bring the resident set to at most
+    ``extra_gb`` GiB above what the process held when the cap was set.
+
+    ``renew`` before each piece sets RLIMIT_AS to the address space mapped now plus what is left
+    under that ceiling. Address space that earlier work left mapped but not resident (heap pages
+    handed back by malloc_trim, the holes of a heap that kept every block) then costs the next piece
+    nothing, so whether a backend fits does not depend on which backends ran before it. The cap
+    counts new mappings only: pages of such holes that a piece touches again are not counted, so
+    its resident set can pass the ceiling by at most their size.
+    """
+
+    def __init__(self, extra_gb: Optional[float]):
+        self.ceiling_mb = proc_status_mb("VmRSS") + extra_gb * 1024 if extra_gb else None
+
+    def renew(self) -> None:
+        if self.ceiling_mb is None:
+            return
+        left_mb = max(self.ceiling_mb - proc_status_mb("VmRSS"), 0.0)
+        limit = int((proc_status_mb("VmSize") + left_mb) * 2**20)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+
+
 def is_oom(err: BaseException) -> bool:
     """Whether an exception is an allocation failure (CPU allocator, CUDA, or Python's own)."""
     if isinstance(err, MemoryError):

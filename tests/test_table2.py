@@ -16,6 +16,7 @@ from lra.bench.task_model import task_settings
 from lra.files import package_data
 from lra.tables import cli as tables
 from lra.tables.table2 import PAPER_LENGTHS, published_rows
+from lra.tables.table2_plot import minor_label
 from table_records import row
 
 
@@ -130,3 +131,8 @@ def test_lra_table_puts_each_backend_beside_the_published_row_of_its_mechanism(t
     published = [r for r in rows if r["row"] == "Synthesizer"]
     assert [r["steps_per_s"] for r in published] == ["8.7", "5.7", "6.6", "1.9"]
     assert (out / "lra_table2-model-lra-table2-cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_plots_minor_ticks_label_two_to_six_of_a_decade_and_leave_the_crowded_ones_bare() -> None:
+    assert [minor_label(v, 0) for v in (0.2, 0.5, 0.6, 3.0, 0.07, 0.9, 8.0)] == [
+        "0.2x", "0.5x", "0.6x", "3x", "", "", ""]

@@ -6,6 +6,7 @@ paper timed, ours solid and the published ratios (over the published Transformer
 same colour; on the right every other backend. A dotted line marks 1 (as full attention)."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -22,6 +23,13 @@ from ..machine import describe  # noqa: E402
 from .plots import save  # noqa: E402
 from .published import claims  # noqa: E402
 from .table2 import MEMORY, PAPER_LENGTHS, PRINTED, SPEED, TIMED  # noqa: E402
+
+
+def minor_label(value: float, _pos: int) -> str:
+    """A log axis's minor tick label (2x, 0.3x, ...), none for 7-9 of a decade: those crowd the next
+    decade's label (0.9x under 1x)."""
+    mantissa = value / 10 ** math.floor(math.log10(value)) if value > 0 else 0.0
+    return f"{value:g}x" if 0 < mantissa < 6.5 else ""
 
 
 def our_ratios(record: Dict[str, Any], backend: str, key: str) -> List[tuple]:
@@ -75,9 +83,8 @@ def table2_plot(record: Dict[str, Any], published: Dict[str, Dict[str, List[Opti
                                 label=f"{timed_by_paper[backend]} (published)")
             ax.axhline(1.0, color="grey", ls=":", lw=1)
             ax.set_yscale("log")
-            ratio = FuncFormatter(lambda value, _pos: f"{value:g}x")
-            ax.yaxis.set_major_formatter(ratio)
-            ax.yaxis.set_minor_formatter(ratio)
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:g}x"))
+            ax.yaxis.set_minor_formatter(FuncFormatter(minor_label))
             ax.tick_params(axis="y", which="minor", labelsize=7)
             ax.set_xticks(lengths, [fmt_length(n) for n in lengths])
             ax.grid(True, which="both", alpha=0.3)

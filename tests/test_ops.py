@@ -118,6 +118,7 @@ def cases() -> List[Tuple[str, Callable, tuple]]:
     out.append(("route_best-masked", landmark.route_best_op,
                 (randn(4, 10, 8), randn(4, 3, 8), torch.tensor([[1, 0, 1]] * 3 + [[0, 0, 0]], dtype=torch.uint8))))
     out.append(("route_order", landmark.route_order_op, (randn(4, 10, 8), randn(4, 3, 8), None)))
+    out.append(("route_order-unsorted", landmark.route_order_op, (randn(4, 10, 8), randn(4, 3, 8), None, False)))
     out.append(("route_order-masked", landmark.route_order_op,
                 (randn(4, 10, 8), randn(4, 3, 8), torch.tensor([[1, 0, 1]] * 3 + [[0, 0, 0]], dtype=torch.uint8))))
     out.append(("topk_select", selection.topk_rows, (randn(2, 3, 40), 7)))

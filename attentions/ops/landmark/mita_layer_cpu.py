@@ -89,9 +89,9 @@ def _(q, keys, values, marks, shared_values, rows, key_ok, shared_ok, order, off
         marks)
 
 
-# a head's query rows (N x D floats) from which the layer copies the queries into expert order
-# (see MiTACPU.forward); below, the kernels read and write them in query order
-SORTED_ROWS_BYTES = 1 << 20
+# the bytes of a head's query rows (N x D floats) from which the layer copies the queries into expert
+# order (see MiTACPU.forward): N = 32K at D = 32; below, the kernels read and write them in query order
+SORTED_ROWS_BYTES = 4 << 20
 
 
 def sorted_rows(n: int, d: int) -> bool:
@@ -126,11 +126,11 @@ class MiTACPU(torch.autograd.Function):
         # 5. the grouped attention: expert e of head x holds key rows index[e] of k and v [G N, D].
         # Long rows (sorted_rows): the queries copied into expert order, so that the kernel reads q and
         # writes out (and in the backward reads d_out and writes dq) in consecutive rows, 8% less time
-        # at 64K than rows scattered over the table; out and dq go back to query order by the inverse
-        # permutation (a gather: half the time of index_copy_ with order, 12 vs 22 ms at G N = 262,144
-        # rows, and on the kernel's take_rows half again, 7 ms). Short rows: a head's rows stay in
-        # the cache, and the kernel reads and writes them where they lie, in query order, which saves
-        # the copy and the three gathers.
+        # at 64K than rows scattered over the table (AMD EPYC); out and dq go back to query order by
+        # the inverse permutation (lra::take_rows, 7 ms at G N = 262,144 rows). Shorter rows: the
+        # kernel reads and writes them where they lie, in query order, which saves the copy and the
+        # three gathers (the layer's forward and backward 7% faster at 1K-2K, batch 8, 2 heads of 32,
+        # 4% at 4K-8K; Intel Xeon).
         sort = sorted_rows(n, d)
         order, offsets, inverse, q_sorted = route_order(q.view(g, n, d), marks, real_marks, sort)  # [G N], [G m + 1], ...
         heads = torch.arange(g, device=q.device)[:, None]  # [G, 1]

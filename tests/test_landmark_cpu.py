@@ -128,6 +128,10 @@ def test_route_order_groups_the_queries_as_expert_runs_does(threads: int) -> Non
     assert torch.equal(offsets, expected_offsets)
     assert torch.equal(inverse[order], torch.arange(g * n))
     assert torch.equal(ordered, q.reshape(g * n, d)[expected_order])
+    # without the sorted rows: the same grouping, no inverse and no copy of the queries made
+    unsorted = route_order(q, marks, real, sort_rows=False)
+    assert torch.equal(unsorted[0], order) and torch.equal(unsorted[1], offsets)
+    assert unsorted[2].shape == (0,) and unsorted[3].shape == (0, d)
     assert offsets[g * m] == g * n - n  # head 2's queries are the only ones with no expert
     assert torch.equal(order[offsets[g * m]:], torch.arange(2 * n, 3 * n))
     # every landmark real (no mask given): the same as with an all-True mask

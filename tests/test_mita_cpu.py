@@ -14,6 +14,7 @@ from attentions.ops import tuning
 from attentions.ops.grouped import cpu as grouped_cpu
 from attentions.ops.grouped.reference import expert_runs
 from attentions.ops.landmark import cpu as landmark_cpu
+from attentions.ops.landmark import mita_layer_cpu
 from attentions.ops.landmark.mita_layer_cpu import MiTACPU, mita_backward
 from conftest import lengths_mask, rel_err
 
@@ -62,6 +63,25 @@ def test_fused_path_equals_composed_path_and_reference(monkeypatch, b, h, n, d, 
         assert torch.isfinite(got).all(), name
         assert rel_err(got, same) < 1e-5, (name, rel_err(got, same))
         assert rel_err(got, want) < 1e-4, (name, rel_err(got, want))
+
+
+@needs_kernel
+@pytest.mark.parametrize("lengths", [None, [300, 41]], ids=["unmasked", "padded"])
+def test_queries_sorted_into_expert_order_or_read_in_place_give_the_same_bits(monkeypatch, lengths) -> None:
+    # long rows are copied into expert order and gathered back; short ones read and written where they lie
+    gen = torch.Generator().manual_seed(2)
+    b, h, n, d = 2, 2, 300, 16
+    q, k, v = (torch.randn(b, h, n, d, generator=gen) for _ in range(3))
+    weight = torch.randn(b, h, n, d, generator=gen)
+    mask = None if lengths is None else lengths_mask(lengths, n)
+    attn = build_attention("mita", num_heads=h, head_dim=d, max_len=n, landmarks=16, topk=16)
+    forms = {}
+    for name, threshold in (("sorted", 0), ("in place", 1 << 40)):
+        monkeypatch.setattr(mita_layer_cpu, "SORTED_ROWS_BYTES", threshold)
+        assert mita_layer_cpu.sorted_rows(n, d) == (name == "sorted")
+        forms[name] = run(attn, q, k, v, mask, weight)
+    for what, a, c in zip(("out", "dq", "dk", "dv"), forms["sorted"], forms["in place"]):
+        assert torch.equal(a, c), (what, float((a - c).abs().max()))
 
 
 @needs_kernel

@@ -118,6 +118,7 @@ def cases() -> List[Tuple[str, Callable, tuple]]:
     out.append(("route_best-masked", landmark.route_best_op,
                 (randn(4, 10, 8), randn(4, 3, 8), torch.tensor([[1, 0, 1]] * 3 + [[0, 0, 0]], dtype=torch.uint8))))
     out.append(("route_order", landmark.route_order_op, (randn(4, 10, 8), randn(4, 3, 8), None)))
+    out.append(("route_order-unsorted", landmark.route_order_op, (randn(4, 10, 8), randn(4, 3, 8), None, False)))
     out.append(("route_order-masked", landmark.route_order_op,
                 (randn(4, 10, 8), randn(4, 3, 8), torch.tensor([[1, 0, 1]] * 3 + [[0, 0, 0]], dtype=torch.uint8))))
     out.append(("topk_select", selection.topk_rows, (randn(2, 3, 40), 7)))
@@ -172,13 +173,15 @@ def test_every_kernel_entry_is_an_operator_in_one_namespace() -> None:
 
 
 @needs_kernels
-def test_the_profiler_names_the_operators_of_a_training_step() -> None:
+def test_the_profiler_names_the_operators_of_a_training_step(monkeypatch: pytest.MonkeyPatch) -> None:
     from attentions import build_attention
 
     q, k, v = (torch.randn(2, 2, 128, 16, requires_grad=True) for _ in range(3))
     seen = set()
     # MiTA with two experts a query merges its parts by lra::merge_parts (MoBA's merge is folded into
-    # its grouped backward)
+    # its grouped backward); MiTA's layer gathers its rows by lra::take_rows where it sorts them (long
+    # rows: every row here)
+    monkeypatch.setattr(mita_layer_cpu, "SORTED_ROWS_BYTES", 0)
     for name, options in (("mita", {"landmarks": 8, "topk": 8}), ("mita", {"landmarks": 8, "topk": 8,
                                                                             "experts_per_query": 2}),
                           ("moba", {"block_size": 16, "topk": 3}), ("topk", {"topk": 8}), ("ttt_mlp", {})):

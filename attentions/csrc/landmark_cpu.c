@@ -278,7 +278,8 @@ int pool_bins(const Pool *a) {
  * the best landmark j of each query of head g makes its expert g m + j; the queries sorted by expert,
  * stably (query order within an expert), those of a head with no real landmark after every expert
  * (also in query order); order [G N] lists query rows in that order, inverse [G N] gives each query's
- * position, offsets [G m + 1] each expert's run, and sorted [G N, D] holds the queries in that order.
+ * position, offsets [G m + 1] each expert's run, and sorted [G N, D] holds the queries in that order
+ * (inverse and sorted NULL: not made, for a caller that reads the queries where they lie).
  * A counting sort: the routes and each head's counts in one pass over the heads, the runs' starts,
  * then each head's queries placed. best: [G N] scratch. Any thread count gives the same result. */
 int route_order(const Landmarks *a, const float *q, const uint8_t *mark_ok, int64_t *best, int64_t *order,
@@ -311,8 +312,8 @@ int route_order(const Landmarks *a, const float *q, const uint8_t *mark_ok, int6
         for (int64_t t = 0; t < N; t++) {
             const int64_t row = g * N + t, slot = best[row] < 0 ? m : best[row], to = next[slot]++;
             order[to] = row;
-            inverse[row] = to;
-            copy_row(sorted + to * D, q + row * D, D);
+            if (inverse) inverse[row] = to;
+            if (sorted) copy_row(sorted + to * D, q + row * D, D);
         }
     }
     free(start);

@@ -284,36 +284,40 @@ def route_best(q: torch.Tensor, marks: torch.Tensor, real_marks: Optional[torch.
 
 
 @custom_op("lra::route_order", mutates_args=(), device_types="cpu")
-def route_order_op(q: torch.Tensor, marks: torch.Tensor, mark_ok: Optional[torch.Tensor]
+def route_order_op(q: torch.Tensor, marks: torch.Tensor, mark_ok: Optional[torch.Tensor], sort_rows: bool = True
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """route_best_op's routes as the grouping of the queries by expert: order [G N], offsets [G m + 1],
-    inverse [G N] (long) and the queries in that order [G N, D] (see ``route_order``)."""
+    inverse [G N] (long) and the queries in that order [G N, D] (see ``route_order``); without
+    ``sort_rows``, inverse [0] and the queries [0, D] (not made)."""
     g, n, d = q.shape
     m = marks.shape[1]
+    rows = g * n if sort_rows else 0
     mark_ok = None if mark_ok is None or bool(mark_ok.all()) else mark_ok
-    best, order, inverse = (torch.empty(g * n, dtype=torch.long) for _ in range(3))
+    best, order, inverse = (torch.empty(size, dtype=torch.long) for size in (g * n, g * n, rows))
     offsets = torch.empty(g * m + 1, dtype=torch.long)
-    ordered = q.new_empty(g * n, d)
+    ordered = q.new_empty(rows, d)
     args = Landmarks(G=g, m=m, N=n, D=d, heads=1, threads=torch.get_num_threads(), marks=_ptr(marks))
     _check(library().route_order(ctypes.byref(args), _ptr(q), _ptr(mark_ok), _ptr(best), _ptr(order), _ptr(offsets),
-                                 _ptr(inverse), _ptr(ordered)))
+                                 _ptr(inverse) if sort_rows else None, _ptr(ordered) if sort_rows else None))
     return order, offsets, inverse, ordered
 
 
 @register_fake("lra::route_order")
-def _(q, marks, mark_ok):
+def _(q, marks, mark_ok, sort_rows=True):
     g, n, d = q.shape
-    rows = q.new_empty(g * n, dtype=torch.long)
-    return rows, q.new_empty(g * marks.shape[1] + 1, dtype=torch.long), torch.empty_like(rows), q.new_empty(g * n, d)
+    rows = g * n if sort_rows else 0
+    return (q.new_empty(g * n, dtype=torch.long), q.new_empty(g * marks.shape[1] + 1, dtype=torch.long),
+            q.new_empty(rows, dtype=torch.long), q.new_empty(rows, d))
 
 
-def route_order(q: torch.Tensor, marks: torch.Tensor, real_marks: Optional[torch.Tensor]
+def route_order(q: torch.Tensor, marks: torch.Tensor, real_marks: Optional[torch.Tensor], sort_rows: bool = True
                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each query routed to its best real landmark (``route_best``) and the queries grouped by the
     expert that makes, g m + j for landmark j of head g, as grouped.reference.expert_runs groups
     them (stable; the queries of a head with no real landmark last): order [G N] (query rows in
     expert order), offsets [G m + 1] (expert x owns order[offsets[x]:offsets[x + 1]]), inverse
     [G N] (each query's position in order) and the queries in that order [G N, D]. q [G, N, D],
-    marks [G, m, D], real_marks [G, m] bool or None (all real)."""
+    marks [G, m, D], real_marks [G, m] bool or None (all real). Without ``sort_rows`` inverse and the
+    sorted queries are empty (not made)."""
     mark_ok = None if real_marks is None else real_marks.contiguous().view(torch.uint8)
-    return route_order_op(q.detach().contiguous(), marks.detach().contiguous(), mark_ok)
+    return route_order_op(q.detach().contiguous(), marks.detach().contiguous(), mark_ok, sort_rows)

@@ -89,6 +89,16 @@ def _(q, keys, values, marks, shared_values, rows, key_ok, shared_ok, order, off
         marks)
 
 
+# the bytes of a head's query rows (N x D floats) from which the layer copies the queries into expert
+# order (see MiTACPU.forward): N = 32K at D = 32; below, the kernels read and write them in query order
+SORTED_ROWS_BYTES = 4 << 20
+
+
+def sorted_rows(n: int, d: int) -> bool:
+    """Whether the layer sorts a head's n query rows of d floats into expert order."""
+    return n * d * 4 >= SORTED_ROWS_BYTES
+
+
 class MiTACPU(torch.autograd.Function):
     """MiTA (experts_per_query = 1, shared expert) of q, k, v [B, H, N, D] (contiguous float32 CPU);
     ``select`` is mita.top_keys (scores [B, H, m, N], keys -> key index, real [B, H, m, keys]), the
@@ -113,38 +123,42 @@ class MiTACPU(torch.autograd.Function):
         expert_ok = None if mask is None else key_ok.reshape(g * m, keys).contiguous().view(torch.uint8)
         # 4. each query to its best real landmark, as expert g m + j of head g (none: after every run)
         real_marks = real_marks.repeat_interleave(h, dim=0)  # [G, m]
-        # 5. the grouped attention: expert e of head x holds key rows index[e] of k and v [G N, D];
-        # the queries in expert order, so that the kernel reads q and writes out (and in the backward
-        # reads d_out and writes dq) in consecutive rows: 8% less time at 64K than rows scattered
-        # over the table; out and dq go back to query order by the inverse permutation (a gather:
-        # half the time of index_copy_ with order, 12 vs 22 ms at G N = 262,144 rows, and on the
-        # kernel's take_rows half again, 7 ms)
-        order, offsets, inverse, q_sorted = route_order(q.view(g, n, d), marks, real_marks)  # [G N], [G m + 1], ...
+        # 5. the grouped attention: expert e of head x holds key rows index[e] of k and v [G N, D].
+        # Long rows (sorted_rows): the queries copied into expert order, so that the kernel reads q and
+        # writes out (and in the backward reads d_out and writes dq) in consecutive rows, 8% less time
+        # at 64K than rows scattered over the table (AMD EPYC); out and dq go back to query order by
+        # the inverse permutation (lra::take_rows, 7 ms at G N = 262,144 rows). Shorter rows: the
+        # kernel reads and writes them where they lie, in query order, which saves the copy and the
+        # three gathers (the layer's forward and backward 7% faster at 1K-2K, batch 8, 2 heads of 32,
+        # 4% at 4K-8K; Intel Xeon).
+        sort = sorted_rows(n, d)
+        order, offsets, inverse, q_sorted = route_order(q.view(g, n, d), marks, real_marks, sort)  # [G N], [G m + 1], ...
         heads = torch.arange(g, device=q.device)[:, None]  # [G, 1]
         rows = (index.view(g, m * keys) + heads * n).view(g * m, keys)
         shared_ok = real_marks.contiguous().view(torch.uint8)
-        in_order = torch.arange(g * n, device=q.device)
-        grouped = (q_sorted, k.view(g * n, d), v.view(g * n, d), scaled, shared_values, rows, expert_ok, shared_ok,
-                   in_order, offsets)
-        out_sorted, lse, probs = grouped_forward(*grouped, m, scale, m)
-        out = take_rows(out_sorted, inverse)
-        ctx.save_for_backward(*grouped, out_sorted, lse, probs, order, inverse, starts, ends, mask_bytes, scores,
+        pairs = (q_sorted, torch.arange(g * n, device=q.device)) if sort else (q.view(g * n, d), order)
+        grouped = (pairs[0], k.view(g * n, d), v.view(g * n, d), scaled, shared_values, rows, expert_ok, shared_ok,
+                   pairs[1], offsets)
+        out_pairs, lse, probs = grouped_forward(*grouped, m, scale, m)  # out [G N, D]: pair order
+        out = take_rows(out_pairs, inverse) if sort else out_pairs
+        ctx.save_for_backward(*grouped, out_pairs, lse, probs, order, inverse, starts, ends, mask_bytes, scores,
                               landmark_lse)
-        ctx.dims, ctx.scale, ctx.landmarks = (b, h, n, d), scale, m
+        ctx.dims, ctx.scale, ctx.landmarks, ctx.sorted = (b, h, n, d), scale, m, sort
         return out.view(b, h, n, d)
 
     @staticmethod
     def backward(ctx, d_out: torch.Tensor):
-        (*grouped, out_sorted, lse, probs, order, inverse, starts, ends, mask_bytes, scores,
+        (*grouped, out_pairs, lse, probs, order, inverse, starts, ends, mask_bytes, scores,
          landmark_lse) = ctx.saved_tensors
         b, h, n, d = ctx.dims
         g = b * h
-        # the grouped attention's and the landmark pass's gradients: dq [G N, D] in expert order, dk, dv
-        # [G N, D], d scaled [G, m, D]
-        d_out_sorted = take_rows(d_out.reshape(g * n, d).contiguous(), order)  # [G N, D], expert order
-        dq_sorted, dk, dv, d_scaled = mita_backward(*grouped, out_sorted, lse, probs, d_out_sorted, mask_bytes, scores,
-                                                    landmark_lse, h, ctx.scale)
-        dq = take_rows(dq_sorted, inverse)
+        # the grouped attention's and the landmark pass's gradients: dq [G N, D] in pair order (expert
+        # order with sorted rows, else query order), dk, dv [G N, D], d scaled [G, m, D]
+        d_out = d_out.reshape(g * n, d).contiguous()
+        d_out_pairs = take_rows(d_out, order) if ctx.sorted else d_out  # [G N, D]
+        dq_pairs, dk, dv, d_scaled = mita_backward(*grouped, out_pairs, lse, probs, d_out_pairs, mask_bytes, scores,
+                                                   landmark_lse, h, ctx.scale)
+        dq = take_rows(dq_pairs, inverse) if ctx.sorted else dq_pairs
         # the pooling adds its dq
         pool_bins_backward_add(d_scaled * ctx.scale, starts, ends, h, dq.view(g, n, d))
         return dq.view(b, h, n, d), dk.view(b, h, n, d), dv.view(b, h, n, d), None, None, None, None

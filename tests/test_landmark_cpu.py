@@ -128,6 +128,15 @@ def test_route_order_groups_the_queries_as_expert_runs_does(threads: int) -> Non
     assert torch.equal(offsets, expected_offsets)
     assert torch.equal(inverse[order], torch.arange(g * n))
     assert torch.equal(ordered, q.reshape(g * n, d)[expected_order])
+    # with the padding mask (heads 0-4 as one sequence each): the padded queries join no expert, after
+    # every run in query order, and the real ones keep their experts
+    mask = torch.ones(g, n, dtype=torch.bool)
+    mask[0, 150:] = False
+    padded = route_order(q, marks, real, sort_rows=False, mask=mask)
+    expected_order, expected_offsets = expert_runs(
+        torch.where((best >= 0) & mask, best + heads * m, g * m).flatten(), g * m)
+    assert torch.equal(padded[0], expected_order) and torch.equal(padded[1], expected_offsets)
+    assert torch.equal(padded[0][padded[1][g * m]:][:n - 150], torch.arange(150, n))
     # without the sorted rows: the same grouping, no inverse and no copy of the queries made
     unsorted = route_order(q, marks, real, sort_rows=False)
     assert torch.equal(unsorted[0], order) and torch.equal(unsorted[1], offsets)

@@ -45,8 +45,11 @@ def test_fused_path_equals_composed_path_and_reference(monkeypatch, b, h, n, d, 
         monkeypatch.setattr(tuning, "SAVE_ELEMENTS", 0)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, generator=gen) for _ in range(3))
-    weight = torch.randn(b, h, n, d, generator=gen)
     mask = None if lengths is None else lengths_mask(lengths, n)
+    real = torch.ones(b, n, dtype=torch.bool) if mask is None else mask
+    # the loss reads real rows only, as a model's does: the fused path leaves padded queries out (their
+    # output 0), the others attend from them, and the gradients agree where no loss reads those rows
+    weight = torch.randn(b, h, n, d, generator=gen) * real[:, None, :, None]
     attn = build_attention("mita", num_heads=h, head_dim=d, max_len=max(n, m), landmarks=m, topk=topk)
     calls = []
     real_apply = MiTACPU.apply
@@ -57,7 +60,7 @@ def test_fused_path_equals_composed_path_and_reference(monkeypatch, b, h, n, d, 
     composed = run(attn, q, k, v, mask, weight)
     assert len(calls) == 1
     ref = [t for t in run(lambda *a: mita.reference(*a, landmarks=m, topk=topk), q, k, v, mask, weight)]
-    real = torch.ones(b, n, dtype=torch.bool) if mask is None else mask
+    assert (fused[0] * ~real[:, None, :, None] == 0).all()  # padded queries: output 0
     for name, got, same, want in zip(("out", "dq", "dk", "dv"), fused, composed, ref):
         got, same, want = (t * real[:, None, :, None] for t in (got, same, want))  # padded rows are free
         assert torch.isfinite(got).all(), name

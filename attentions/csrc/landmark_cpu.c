@@ -279,13 +279,18 @@ int pool_bins(const Pool *a) {
  * stably (query order within an expert), those of a head with no real landmark after every expert
  * (also in query order); order [G N] lists query rows in that order, inverse [G N] gives each query's
  * position, offsets [G m + 1] each expert's run, and sorted [G N, D] holds the queries in that order
- * (inverse and sorted NULL: not made, for a caller that reads the queries where they lie).
+ * (inverse and sorted NULL: not made, for a caller that reads the queries where they lie). With
+ * key_ok ([G / heads, N], the padding mask) a padded query joins no expert: it goes with the
+ * queries of no expert, after every run, and the grouped kernel leaves its output 0.
  * A counting sort: the routes and each head's counts in one pass over the heads, the runs' starts,
  * then each head's queries placed. best: [G N] scratch. Any thread count gives the same result. */
 int route_order(const Landmarks *a, const float *q, const uint8_t *mark_ok, int64_t *best, int64_t *order,
                 int64_t *offsets, int64_t *inverse, float *sorted) {
     const int64_t G = a->G, m = a->m, N = a->N, D = a->D;
     if (route_best(a, q, mark_ok, best) != 0) return 1;
+    if (a->key_ok)
+        for (int64_t row = 0; row < G * N; row++)
+            if (!a->key_ok[(row / N / a->heads) * N + row % N]) best[row] = -1;
     /* counts [G][m + 1] (slot m: no expert), then each slot's first position */
     int64_t *start = (int64_t *)calloc(G * (m + 1), sizeof(int64_t));
     if (!start) return 1;

@@ -284,11 +284,13 @@ def route_best(q: torch.Tensor, marks: torch.Tensor, real_marks: Optional[torch.
 
 
 @custom_op("lra::route_order", mutates_args=(), device_types="cpu")
-def route_order_op(q: torch.Tensor, marks: torch.Tensor, mark_ok: Optional[torch.Tensor], sort_rows: bool = True
+def route_order_op(q: torch.Tensor, marks: torch.Tensor, mark_ok: Optional[torch.Tensor], sort_rows: bool = True,
+                   token_ok: Optional[torch.Tensor] = None, heads: int = 1
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """route_best_op's routes as the grouping of the queries by expert: order [G N], offsets [G m + 1],
     inverse [G N] (long) and the queries in that order [G N, D] (see ``route_order``); without
-    ``sort_rows``, inverse [0] and the queries [0, D] (not made)."""
+    ``sort_rows``, inverse [0] and the queries [0, D] (not made); token_ok [G / heads, N] uint8: the
+    padded queries in no expert."""
     g, n, d = q.shape
     m = marks.shape[1]
     rows = g * n if sort_rows else 0
@@ -296,28 +298,32 @@ def route_order_op(q: torch.Tensor, marks: torch.Tensor, mark_ok: Optional[torch
     best, order, inverse = (torch.empty(size, dtype=torch.long) for size in (g * n, g * n, rows))
     offsets = torch.empty(g * m + 1, dtype=torch.long)
     ordered = q.new_empty(rows, d)
-    args = Landmarks(G=g, m=m, N=n, D=d, heads=1, threads=torch.get_num_threads(), marks=_ptr(marks))
+    args = Landmarks(G=g, m=m, N=n, D=d, heads=heads, threads=torch.get_num_threads(), marks=_ptr(marks),
+                     key_ok=_ptr(token_ok))
     _check(library().route_order(ctypes.byref(args), _ptr(q), _ptr(mark_ok), _ptr(best), _ptr(order), _ptr(offsets),
                                  _ptr(inverse) if sort_rows else None, _ptr(ordered) if sort_rows else None))
     return order, offsets, inverse, ordered
 
 
 @register_fake("lra::route_order")
-def _(q, marks, mark_ok, sort_rows=True):
+def _(q, marks, mark_ok, sort_rows=True, token_ok=None, heads=1):
     g, n, d = q.shape
     rows = g * n if sort_rows else 0
     return (q.new_empty(g * n, dtype=torch.long), q.new_empty(g * marks.shape[1] + 1, dtype=torch.long),
             q.new_empty(rows, dtype=torch.long), q.new_empty(rows, d))
 
 
-def route_order(q: torch.Tensor, marks: torch.Tensor, real_marks: Optional[torch.Tensor], sort_rows: bool = True
-                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def route_order(q: torch.Tensor, marks: torch.Tensor, real_marks: Optional[torch.Tensor], sort_rows: bool = True,
+                mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each query routed to its best real landmark (``route_best``) and the queries grouped by the
     expert that makes, g m + j for landmark j of head g, as grouped.reference.expert_runs groups
     them (stable; the queries of a head with no real landmark last): order [G N] (query rows in
     expert order), offsets [G m + 1] (expert x owns order[offsets[x]:offsets[x + 1]]), inverse
     [G N] (each query's position in order) and the queries in that order [G N, D]. q [G, N, D],
     marks [G, m, D], real_marks [G, m] bool or None (all real). Without ``sort_rows`` inverse and the
-    sorted queries are empty (not made)."""
+    sorted queries are empty (not made). With ``mask`` [G / heads, N] bool (True = real) the padded
+    queries join no expert, as those of a head with no real landmark."""
     mark_ok = None if real_marks is None else real_marks.contiguous().view(torch.uint8)
-    return route_order_op(q.detach().contiguous(), marks.detach().contiguous(), mark_ok, sort_rows)
+    token_ok = None if mask is None else mask.contiguous().view(torch.uint8)
+    heads = 1 if mask is None else q.shape[0] // mask.shape[0]
+    return route_order_op(q.detach().contiguous(), marks.detach().contiguous(), mark_ok, sort_rows, token_ok, heads)

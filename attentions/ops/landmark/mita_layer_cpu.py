@@ -121,7 +121,9 @@ class MiTACPU(torch.autograd.Function):
         index, key_ok = select(scores.view(b, h, m, n), keys)  # [B, H, m, keys] each
         # (the kernels drop masks that are all True themselves: no host read here)
         expert_ok = None if mask is None else key_ok.reshape(g * m, keys).contiguous().view(torch.uint8)
-        # 4. each query to its best real landmark, as expert g m + j of head g (none: after every run)
+        # 4. each query to its best real landmark, as expert g m + j of head g (none: after every run);
+        # a padded query to none, so its output is 0 (the contract's padded rows) and it costs the
+        # grouped attention nothing: a quarter of the pairs in rows of N/2..N real tokens
         real_marks = real_marks.repeat_interleave(h, dim=0)  # [G, m]
         # 5. the grouped attention: expert e of head x holds key rows index[e] of k and v [G N, D].
         # Long rows (sorted_rows): the queries copied into expert order, so that the kernel reads q and
@@ -132,7 +134,7 @@ class MiTACPU(torch.autograd.Function):
         # three gathers (the layer's forward and backward 7% faster at 1K-2K, batch 8, 2 heads of 32,
         # 4% at 4K-8K; Intel Xeon).
         sort = sorted_rows(n, d)
-        order, offsets, inverse, q_sorted = route_order(q.view(g, n, d), marks, real_marks, sort)  # [G N], [G m + 1], ...
+        order, offsets, inverse, q_sorted = route_order(q.view(g, n, d), marks, real_marks, sort, mask)  # [G N], ...
         heads = torch.arange(g, device=q.device)[:, None]  # [G, 1]
         rows = (index.view(g, m * keys) + heads * n).view(g * m, keys)
         shared_ok = real_marks.contiguous().view(torch.uint8)

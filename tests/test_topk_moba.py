@@ -191,3 +191,23 @@ def test_budgets() -> None:
     # past the sequence: what covers it, every key (two blocks of 64 where 64 tokens hold one)
     assert build_attention("topk", num_heads=2, head_dim=16, max_len=64, topk=128).budget() == "k = 64"
     assert build_attention("moba", num_heads=2, head_dim=16, max_len=64).budget() == "topk x block_size = 64"
+
+
+def test_moba_cpu_kernel_leaves_padded_queries_out_and_real_rows_as_the_reference() -> None:
+    # float32 on the CPU: the merged kernel path, where a padded query takes no block (output 0)
+    torch.manual_seed(0)
+    b, h, n, d = 2, 2, 300, 16
+    attn = build_attention("moba", num_heads=h, head_dim=d, max_len=n, block_size=32, topk=3)
+    mask = lengths_mask([300, 170], n)
+    inputs = [torch.randn(b, h, n, d, requires_grad=True) for _ in range(3)]
+    weight = torch.randn(b, h, n, d) * mask[:, None, :, None]  # the loss reads real rows only
+    out = attn(*inputs, mask)
+    grads = torch.autograd.grad((out * weight).sum(), inputs)
+    wide = [t.detach().double().requires_grad_() for t in inputs]
+    ref = moba.reference(*wide, mask, 32, 3, True)
+    ref_grads = torch.autograd.grad((ref * weight.double()).sum(), wide)
+    real = mask[:, None, :, None]
+    assert (out * ~real == 0).all()
+    assert rel_err(out * real, ref.float() * real) < 1e-5
+    for label, g, r in zip("qkv", grads, ref_grads):
+        assert rel_err(g, r.float()) < 1e-5, f"d{label} differs"

@@ -51,10 +51,17 @@ def draw(ax: Any, points: List[Dict[str, Any]], value: Callable[[Dict[str, Any]]
     return line
 
 
-def axes_style(ax: Any, lengths: List[int], label: str) -> None:
+def batches(record: Dict[str, Any]) -> Dict[int, int]:
+    """Each length's batch where an interleaved record's lengths ran at different batches (the sweep
+    halves it for every backend of a length), else {}."""
+    batch = {row["length"]: row["batch"] for row in record.get("per_length") or []}
+    return batch if len(set(batch.values())) > 1 else {}
+
+
+def axes_style(ax: Any, lengths: List[int], label: str, batch: Dict[int, int]) -> None:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xticks(lengths, [fmt_length(n) for n in lengths])
+    ax.set_xticks(lengths, [fmt_length(n) + (f"\nB={batch[n]}" if n in batch else "") for n in lengths])
     ax.set_xlabel("sequence length N")
     ax.set_ylabel(label)
     ax.grid(True, which="both", alpha=0.3)
@@ -70,7 +77,7 @@ def two_panels(plt: Any, record: Dict[str, Any], backends: List[str]) -> Any:
             ax_m.plot(*zip(*mem), "o-", color=line.get_color(), label=backend)
     lengths = record["settings"]["lengths"]
     for ax, label in ((ax_t, "train tokens / s"), (ax_m, "peak memory (MB)")):
-        axes_style(ax, lengths, label)
+        axes_style(ax, lengths, label, batches(record))
         if ax.get_lines():
             ax.legend(fontsize=8)
     ax_t.set_title(f"train throughput, {record['level']} level, {describe(record['hardware'])}", fontsize=9)
@@ -88,27 +95,35 @@ def family_panels(plt: Any, record: Dict[str, Any], backends: List[str]) -> Any:
     fig, axes = plt.subplots(2, len(order), figsize=(4.2 * len(order), 7.6), squeeze=False, sharey="row")
     lengths = record["settings"]["lengths"]
     reference = timed(record, "full")
+    batch = batches(record)
+
+    def seconds(point: Dict[str, Any]) -> float:
+        # where the batch differs between lengths, a step's time per sequence keeps the slopes readable
+        return point["train"]["median_s"] / (point["batch"] if batch else 1)
+
     for column, family in enumerate(order):
         ax_t, ax_m = axes[0][column], axes[1][column]
         if reference:
             # guides through full attention's first point: the cost of a linear and of a quadratic method
-            n0, t0 = reference[0]["length"], reference[0]["train"]["median_s"]
+            n0, t0 = reference[0]["length"], seconds(reference[0])
             ends = [n0, lengths[-1]]
             ax_t.plot(ends, [t0 * n / n0 for n in ends], ":", color="grey", lw=1, label="slope 1 (cost ~ N)")
             ax_t.plot(ends, [t0 * (n / n0) ** 2 for n in ends], "-.", color="grey", lw=1, label="slope 2 (cost ~ N^2)")
             if family != scaling_of("full"):
-                draw(ax_t, reference, lambda p: p["train"]["median_s"], color="black", lw=1, label="full")
+                draw(ax_t, reference, seconds, color="black", lw=1, label="full")
         others = [b for b in families[family] if b != "full"]
         for backend in families[family]:
             points = timed(record, backend)
             colour = "black" if backend == "full" else f"C{others.index(backend) % 10}"
-            draw(ax_t, points, lambda p: p["train"]["median_s"], color=colour, label=backend)
+            draw(ax_t, points, seconds, color=colour, label=backend)
             mem = [(p["length"], p["peak_mem_mb"]) for p in points if p.get("peak_mem_mb") is not None]
             if mem:
                 ax_m.plot(*zip(*mem), "o-", ms=4, color=colour, label=backend)
-        axes_style(ax_t, lengths, ("train time per call (s)" if record["level"] == "attention" else
-                                   "train time per step (s)") if column == 0 else "")
-        axes_style(ax_m, lengths, "peak memory (MB)" if column == 0 else "")
+        time_label = ("train time per call (s)" if record["level"] == "attention" else
+                      "train time per step / batch (s)" if batch else "train time per step (s)")
+        axes_style(ax_t, lengths, time_label if column == 0 else "", batch)
+        axes_style(ax_m, lengths, ("peak memory per step (MB)" if batch else "peak memory (MB)") if column == 0 else "",
+                   batch)
         ax_t.set_title(FAMILY_TITLES[family], fontsize=10)
         ax_t.legend(fontsize=7, loc="upper left")
         if ax_m.get_lines():

@@ -288,16 +288,19 @@ int route_order(const Landmarks *a, const float *q, const uint8_t *mark_ok, int6
                 int64_t *offsets, int64_t *inverse, float *sorted) {
     const int64_t G = a->G, m = a->m, N = a->N, D = a->D;
     if (route_best(a, q, mark_ok, best) != 0) return 1;
-    if (a->key_ok)
-        for (int64_t row = 0; row < G * N; row++)
-            if (!a->key_ok[(row / N / a->heads) * N + row % N]) best[row] = -1;
-    /* counts [G][m + 1] (slot m: no expert), then each slot's first position */
+    /* counts [G][m + 1] (slot m: no expert), then each slot's first position; a padded query's
+     * route dropped (-1) in the same pass */
     int64_t *start = (int64_t *)calloc(G * (m + 1), sizeof(int64_t));
     if (!start) return 1;
     const int64_t threads = a->threads < 1 ? 1 : (a->threads > G ? G : a->threads);
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < G; g++)
-        for (int64_t t = 0; t < N; t++) start[g * (m + 1) + (best[g * N + t] < 0 ? m : best[g * N + t])]++;
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *ok = a->key_ok ? a->key_ok + (g / a->heads) * N : NULL;
+        for (int64_t t = 0; t < N; t++) {
+            if (ok && !ok[t]) best[g * N + t] = -1;
+            start[g * (m + 1) + (best[g * N + t] < 0 ? m : best[g * N + t])]++;
+        }
+    }
     int64_t at = 0;
     for (int64_t g = 0; g < G; g++)
         for (int64_t j = 0; j < m; j++) {

@@ -47,12 +47,17 @@ def test_grouped_backward_writes_every_key_row_it_owns(case: tuple, monkeypatch:
 
 
 @needs_kernels
-def test_grouped_kernel_reads_keys_by_index_like_gathered_tables() -> None:
-    # rows [X, S] into [R, D] tables (MiTA's layout: a key in several experts) against the gathered copies
+@pytest.mark.parametrize("d", [16, 32])
+def test_grouped_kernel_reads_keys_by_index_like_gathered_tables(d: int) -> None:
+    # rows [X, S] into [R, D] tables (MiTA's layout: a key in several experts, and here also twice in
+    # one expert) against the gathered copies; D = 32 takes the key and value gradients' six- and
+    # two-key tiles, which add a routed key's rows into the tables where they lie, D = 16 one key at a time
     gen = torch.Generator().manual_seed(0)
-    p, x, s, d, rows_in_table = 300, 12, 16, 16, 40
+    p, x, s, rows_in_table = 300, 12, 16, 40
     q, table_k, table_v = (torch.randn(n, d, generator=gen).requires_grad_() for n in (p, rows_in_table, rows_in_table))
     rows = torch.randint(0, rows_in_table, (x, s), generator=gen)
+    rows[:, 5] = rows[:, 0]  # a row twice in every expert, in one six-key tile
+    rows[:, 13] = rows[:, 12]  # ... and in one two-key tile
     expert = torch.randint(0, x + 1, (p,), generator=gen)
     outs = []
     for by_index in (True, False):

@@ -68,8 +68,19 @@ static inline float max_of(const float *x, int64_t n) {
     }
     float top = -INFINITY;
     for (; j < n; j++) top = x[j] > top ? x[j] : top;
+#ifdef LRA_HAS_FOLD
+    /* the lanes' max in a tree (vec.h's fold): exact, so the same value as in lane order */
+#if VW == 16
+    lanes = pickv(FOLD8(lanes) > lanes, FOLD8(lanes), lanes);
+#endif
+    lanes = pickv(FOLD4(lanes) > lanes, FOLD4(lanes), lanes);
+    lanes = pickv(FOLD2(lanes) > lanes, FOLD2(lanes), lanes);
+    lanes = pickv(FOLD1(lanes) > lanes, FOLD1(lanes), lanes);
+    return lanes[0] > top ? lanes[0] : top;
+#else
     for (int l = 0; l < VW; l++) top = lanes[l] > top ? lanes[l] : top;
     return top;
+#endif
 }
 
 static inline float sum_of(const float *x, int64_t n) {
@@ -341,11 +352,31 @@ static inline void mix_picked(const float *w, const int64_t *idx, const float *t
     }
 }
 
-/* g[j * D + d] += sum_c w[c * n + j] * x[c * D + d]: the rank-C update w^T x of a [n][D] gradient.
+/* Row j of an outer product's gradient: to[j] where the rows are scattered (NULL: g + j D, a block). */
+static inline float *grad_row(float *g, float *const *to, int64_t j, int64_t D) {
+    return to ? to[j] : g + j * D;
+}
+
+/* Accumulator init from row j of the gradient: a block's row (to NULL) is added to; scattered rows
+ * (to) are summed from 0 and added to their row at the end (outer_store), so a row listed twice
+ * gets both sums. */
+static inline vf outer_init(const float *row, const float *const *to) {
+    return to ? splatv(0.0f) : loadv(row);
+}
+
+static inline void outer_store(float *row, const float *const *to, vf a) {
+    storev(row, to ? loadv(row) + a : a);
+}
+
+/* g_j[d] += sum_c w[c * ldw + j] * x[c * D + d] for keys j < n: the rank-C update w^T x of a [n][D]
+ * gradient, its rows g + j D (to NULL) or to[j] (rows of a table, read by index: MiTA's routed
+ * keys, added into dK and dV where they lie instead of into a block that is zeroed, summed and
+ * then added to them; the same sums, so the same bits as the block and its addition).
  * Two keys at a time: each row of x, loaded once, feeds both (six loads per eight FMAs, against
  * five per four one key at a time, which left the loads, not the FMAs, setting the pace); at VW 16
  * alternate rows c add into separate accumulators (8 in all). */
-static inline void add_outer(const float *w, const float *x, int64_t rows, int64_t n, int64_t D, float *g) {
+static inline void add_outer(const float *w, int64_t ldw, const float *x, int64_t rows, int64_t n, int64_t D,
+                             float *g, float *const *to) {
     int64_t j = 0;
     if (D % 32 == 0 && D % (2 * VW) == 0) {
         /* six keys at a time over 2 vectors of the head dim: 12 accumulators (24 at VW 16), each
@@ -356,11 +387,12 @@ static inline void add_outer(const float *w, const float *x, int64_t rows, int64
                 for (int k = 0; k < 6; k++)
                     for (int p = 0; p < ROW_P; p++)
                         for (int v = 0; v < 2; v++)
-                            a[k][p][v] = p == 0 ? loadv(g + (j + k) * D + d0 + v * VW) : splatv(0.0f);
+                            a[k][p][v] = p == 0 ? outer_init(grad_row(g, to, j + k, D) + d0 + v * VW, (const float *const *)to)
+                                                : splatv(0.0f);
                 int64_t c = 0;
                 for (; c + ROW_P <= rows; c += ROW_P)
                     for (int p = 0; p < ROW_P; p++) {
-                        const float *row = x + (c + p) * D + d0, *wc = w + (c + p) * n + j;
+                        const float *row = x + (c + p) * D + d0, *wc = w + (c + p) * ldw + j;
                         const vf r0 = loadv(row), r1 = loadv(row + VW);
                         for (int k = 0; k < 6; k++) {
                             const vf u = splatv(wc[k]);
@@ -368,7 +400,7 @@ static inline void add_outer(const float *w, const float *x, int64_t rows, int64
                         }
                     }
                 for (; c < rows; c++) {
-                    const float *row = x + c * D + d0, *wc = w + c * n + j;
+                    const float *row = x + c * D + d0, *wc = w + c * ldw + j;
                     const vf r0 = loadv(row), r1 = loadv(row + VW);
                     for (int k = 0; k < 6; k++) {
                         const vf u = splatv(wc[k]);
@@ -378,31 +410,33 @@ static inline void add_outer(const float *w, const float *x, int64_t rows, int64
                 for (int k = 0; k < 6; k++) {
                     for (int p = 1; p < ROW_P; p++)
                         for (int v = 0; v < 2; v++) a[k][0][v] += a[k][p][v];
-                    storev(g + (j + k) * D + d0, a[k][0][0]), storev(g + (j + k) * D + d0 + VW, a[k][0][1]);
+                    float *out = grad_row(g, to, j + k, D) + d0;
+                    outer_store(out, (const float *const *)to, a[k][0][0]);
+                    outer_store(out + VW, (const float *const *)to, a[k][0][1]);
                 }
             }
     }
     if (D % 32 == 0) {
         for (; j + 2 <= n; j += 2) {
-            float *g0 = g + j * D, *g1 = g0 + D;
+            float *g0 = grad_row(g, to, j, D), *g1 = grad_row(g, to, j + 1, D);
             for (int64_t d0 = 0; d0 < D; d0 += 32) {
                 vf a[ROW_P][ROW_NV], b[ROW_P][ROW_NV];
                 for (int p = 0; p < ROW_P; p++)
                     for (int v = 0; v < ROW_NV; v++) {
-                        a[p][v] = p == 0 ? loadv(g0 + d0 + v * VW) : splatv(0.0f);
-                        b[p][v] = p == 0 ? loadv(g1 + d0 + v * VW) : splatv(0.0f);
+                        a[p][v] = p == 0 ? outer_init(g0 + d0 + v * VW, (const float *const *)to) : splatv(0.0f);
+                        b[p][v] = p == 0 ? outer_init(g1 + d0 + v * VW, (const float *const *)to) : splatv(0.0f);
                     }
                 int64_t c = 0;
                 for (; c + ROW_P <= rows; c += ROW_P)
                     for (int p = 0; p < ROW_P; p++) {
-                        const vf u = splatv(w[(c + p) * n + j]), t = splatv(w[(c + p) * n + j + 1]);
+                        const vf u = splatv(w[(c + p) * ldw + j]), t = splatv(w[(c + p) * ldw + j + 1]);
                         const float *row = x + (c + p) * D + d0;
                         vf r[ROW_NV];
                         for (int v = 0; v < ROW_NV; v++) r[v] = loadv(row + v * VW);
                         for (int v = 0; v < ROW_NV; v++) a[p][v] += u * r[v], b[p][v] += t * r[v];
                     }
                 for (; c < rows; c++) {
-                    const vf u = splatv(w[c * n + j]), t = splatv(w[c * n + j + 1]);
+                    const vf u = splatv(w[c * ldw + j]), t = splatv(w[c * ldw + j + 1]);
                     for (int v = 0; v < ROW_NV; v++) {
                         const vf r = loadv(x + c * D + d0 + v * VW);
                         a[0][v] += u * r, b[0][v] += t * r;
@@ -410,20 +444,24 @@ static inline void add_outer(const float *w, const float *x, int64_t rows, int64
                 }
                 for (int p = 1; p < ROW_P; p++)
                     for (int v = 0; v < ROW_NV; v++) a[0][v] += a[p][v], b[0][v] += b[p][v];
-                for (int v = 0; v < ROW_NV; v++) storev(g0 + d0 + v * VW, a[0][v]), storev(g1 + d0 + v * VW, b[0][v]);
+                for (int v = 0; v < ROW_NV; v++) outer_store(g0 + d0 + v * VW, (const float *const *)to, a[0][v]);
+                for (int v = 0; v < ROW_NV; v++) outer_store(g1 + d0 + v * VW, (const float *const *)to, b[0][v]);
             }
         }
     }
     for (; j < n; j++) {
-        float *gj = g + j * D;
+        float *gj = grad_row(g, to, j, D);
         int64_t d0 = 0;
         for (; d0 + VW <= D; d0 += VW) {
-            vf acc = loadv(gj + d0);
-            for (int64_t c = 0; c < rows; c++) acc += splatv(w[c * n + j]) * loadv(x + c * D + d0);
-            storev(gj + d0, acc);
+            vf acc = outer_init(gj + d0, (const float *const *)to);
+            for (int64_t c = 0; c < rows; c++) acc += splatv(w[c * ldw + j]) * loadv(x + c * D + d0);
+            outer_store(gj + d0, (const float *const *)to, acc);
         }
-        for (int64_t c = 0; c < rows; c++)
-            for (int64_t d = d0; d < D; d++) gj[d] += w[c * n + j] * x[c * D + d];
+        for (int64_t d = d0; d < D; d++) {
+            float acc = to ? 0.0f : gj[d];
+            for (int64_t c = 0; c < rows; c++) acc += w[c * ldw + j] * x[c * D + d];
+            gj[d] = to ? gj[d] + acc : acc;
+        }
     }
 }
 

@@ -17,9 +17,9 @@
  * transposed copy [D][n] made once per expert, so the inner loops run over contiguous floats and
  * vectorise; the products across the head dim read the value (forward) or key (backward) rows where
  * they lie in the tables, through a table of n row pointers (a row-major copy of them cost 3-10% of
- * either pass at N = 1K). Threads take runs of `unit` whole experts chosen so that two threads never
- * add into the same gradient row: the caller sets unit so that experts of different units share no
- * key rows and no shared table. No atomics; for a given thread count the results are deterministic.
+ * either pass at N = 1K). Threads take units of `unit` whole experts, so that two threads never add
+ * into the same gradient row: the caller sets unit so that experts of different units share no key
+ * rows and no shared table. No atomics; the results are the same bits for any thread count.
  */
 #include <math.h>
 #include <stdint.h>
@@ -54,12 +54,6 @@ typedef struct {
     float *dkeys, *dvalues;  /* [R, D] backward, zero-filled by the caller */
     float *dskeys, *dsvalues;/* [G, M, D] backward, zero-filled by the caller */
 } Grouped;
-
-typedef struct {
-    const Grouped *a;
-    int64_t first, last; /* experts [first, last) */
-    int backward;
-} Work;
 
 static inline int64_t key_row(const Grouped *a, int64_t x, int64_t s) {
     return a->rows ? a->rows[x * a->S + s] : x * a->S + s;
@@ -229,21 +223,21 @@ static void backward_chunk(const Grouped *a, int64_t t0, int64_t rows, int64_t n
     }
 }
 
-/* Rows [first, last) of an expert's accumulated key and value gradients added into the tables they
- * came from: rows below M into group g's shared tables, the rest into the routed rows row_of. Without
- * rows (expert x's keys are its own rows x S .. x S + S - 1, no other expert's) the routed rows are
- * written, not added: the caller leaves those tables unset (see zero_own_rows). */
+/* Rows [first, last) of an expert's key and value gradients summed in its buffer into the tables:
+ * rows below M added into group g's shared tables; the rest (only without rows: expert x's keys are
+ * its own rows x S .. x S + S - 1, no other expert's) written, not added, since the caller leaves
+ * those tables unset (see zero_own_rows). Routed keys read by index add into their rows directly
+ * (add_outer's rows). */
 static void store_gradients(const Grouped *a, int64_t g, const int64_t *row_of, const float *dk, const float *dv,
                             int64_t first, int64_t last) {
     const int64_t M = a->M, D = a->D;
     for (int64_t j = first; j < last; j++) {
-        const int64_t r = j < M ? g * M + j : row_of[j - M];
-        float *gk = (j < M ? a->dskeys : a->dkeys) + r * D, *gv = (j < M ? a->dsvalues : a->dvalues) + r * D;
-        if (j >= M && !a->rows) {
-            copy_row(gk, dk + j * D, D);
-            copy_row(gv, dv + j * D, D);
+        if (j >= M) {
+            copy_row(a->dkeys + row_of[j - M] * D, dk + j * D, D);
+            copy_row(a->dvalues + row_of[j - M] * D, dv + j * D, D);
             continue;
         }
+        float *gk = a->dskeys + (g * M + j) * D, *gv = a->dsvalues + (g * M + j) * D;
         for (int64_t d = 0; d < D; d++) {
             gk[d] += dk[j * D + d];
             gv[d] += dv[j * D + d];
@@ -261,9 +255,10 @@ static void zero_own_rows(const Grouped *a, int64_t x) {
 static size_t work_bytes(const Grouped *a) {
     const int64_t n = a->M + a->S, D = a->D;
     /* kt, vt, dk, dv [n * D]; bias, zeros [n]; p, ds [CHUNK * n]; qs, dout [CHUNK * D] (an even
-     * number of floats: the pointers after them are aligned); the mixed rows' pointers [n]; row_of */
+     * number of floats: the pointers after them are aligned); the mixed rows' pointers [n], the
+     * routed keys' gradient rows [2 n]; row_of */
     const int64_t floats = 4 * n * D + 2 * n + 2 * CHUNK * n + 2 * CHUNK * D;
-    return sizeof(float) * floats + sizeof(float *) * n + sizeof(int64_t) * (n + 1);
+    return sizeof(float) * floats + sizeof(float *) * 3 * n + sizeof(int64_t) * (n + 1);
 }
 
 /* Experts [first, last), forward or backward, with a zero-filled buffer of work_bytes(a). */
@@ -273,7 +268,8 @@ static void run_experts(const Grouped *a, int64_t first, int64_t last, int backw
     float *bias = dv + n * D, *zeros = bias + n, *p = zeros + n, *ds = p + CHUNK * n;
     float *qs = ds + CHUNK * n, *dout = qs + CHUNK * D;
     const float **mixed = (const float **)(dout + CHUNK * D);
-    int64_t *row_of = (int64_t *)(mixed + n);
+    float **dk_rows = (float **)(mixed + n), **dv_rows = dk_rows + n;
+    int64_t *row_of = (int64_t *)(dv_rows + n);
     /* the backward's shared-key gradients (rows below M of dk, dv) add up over all the experts of a
      * group and go to the shared tables once per group: per expert, zeroing and adding back M rows
      * cost as much as the expert's own S rows (at N = 1K, an expert has ~16 queries) */
@@ -300,58 +296,110 @@ static void run_experts(const Grouped *a, int64_t first, int64_t last, int backw
             memset(dv, 0, sizeof(float) * M * D);
             group_summed = x / a->group;
         }
-        memset(dk + M * D, 0, sizeof(float) * S * D);
-        memset(dv + M * D, 0, sizeof(float) * S * D);
+        /* the routed keys' gradients: added into their rows of dK and dV where they lie (keys read
+         * by index: load_expert left the rows in row_of), else summed in the buffer's rows and
+         * written to the expert's own rows (see store_gradients) */
+        if (a->rows) {
+            for (int64_t s = 0; s < S; s++) dk_rows[s] = a->dkeys + row_of[s] * D, dv_rows[s] = a->dvalues + row_of[s] * D;
+        } else {
+            memset(dk + M * D, 0, sizeof(float) * S * D);
+            memset(dv + M * D, 0, sizeof(float) * S * D);
+        }
         for (int64_t t0 = begin; t0 < end; t0 += CHUNK) {
             const int64_t rows = end - t0 < CHUNK ? end - t0 : CHUNK;
             backward_chunk(a, t0, rows, n, kt, vt, block, at, bias, zeros, p, ds, qs, dout);
-            /* dK += d_logits^T (scale q), dV += p^T d_out over the chunk's pairs */
-            add_outer(ds, qs, rows, n, D, dk);
-            add_outer(p, dout, rows, n, D, dv);
+            /* dK += d_logits^T (scale q), dV += p^T d_out over the chunk's pairs: the shared keys'
+             * rows in the buffer (summed over the group), the routed keys' as above */
+            add_outer(ds, n, qs, rows, M, D, dk, NULL);
+            add_outer(p, n, dout, rows, M, D, dv, NULL);
+            add_outer(ds + M, n, qs, rows, S, D, a->rows ? NULL : dk + M * D, a->rows ? dk_rows : NULL);
+            add_outer(p + M, n, dout, rows, S, D, a->rows ? NULL : dv + M * D, a->rows ? dv_rows : NULL);
         }
-        /* load_expert left the routed keys' rows in row_of */
-        store_gradients(a, x / a->group, row_of, dk, dv, M, n);
+        if (!a->rows) store_gradients(a, x / a->group, row_of, dk, dv, M, n);
     }
     if (group_summed >= 0) store_gradients(a, group_summed, row_of, dk, dv, 0, M);
 }
 
-static void *run_work(void *arg) {
-    const Work *w = (const Work *)arg;
-    void *buffer = calloc(1, work_bytes(w->a));
-    if (!buffer) return (void *)1;
-    run_experts(w->a, w->first, w->last, w->backward, buffer);
+/* Experts [first, last) of a thread, forward or backward, with a zero-filled buffer of its own;
+ * returns 0 on success. */
+static int run_share(const Grouped *a, int64_t first, int64_t last, int backward) {
+    void *buffer = calloc(1, work_bytes(a));
+    if (!buffer) return 1;
+    run_experts(a, first, last, backward, buffer);
     stream_fence();
     free(buffer);
-    return NULL;
+    return 0;
 }
 
-/* Runs of whole units (unit experts each) per thread, balanced by their pairs; returns 0 on success. */
-static int run(const Grouped *a, int backward) {
-    const int64_t X = a->experts, unit = a->unit > 0 ? a->unit : 1;
-    const int64_t units = (X + unit - 1) / unit;
-    int64_t threads = a->threads < 1 ? 1 : a->threads;
-    if (threads > units) threads = units;
-    if (threads > 64) threads = 64;
-    Work work[64];
-    const int64_t total = a->offsets[X] - a->offsets[0];
-    int64_t u = 0;
-    for (int64_t t = 0; t < threads; t++) {
-        const int64_t start = u;
-        /* this thread's share ends where the pairs so far reach (t + 1) / threads of the total */
-        const int64_t goal = a->offsets[0] + total * (t + 1) / threads;
-        while (u < units && (t == threads - 1 || a->offsets[(u + 1) * unit < X ? (u + 1) * unit : X] <= goal)) u++;
-        if (u == start && u < units) u++;
-        work[t].a = a;
-        work[t].first = start * unit < X ? start * unit : X;
-        work[t].last = u * unit < X ? u * unit : X;
-        work[t].backward = backward;
-    }
+/* Single experts as units (MoBA's key blocks: many, each a small share): a run of consecutive
+ * experts per thread, cut where the pairs so far reach (t + 1) / threads of the total, so the
+ * shares differ by at most an expert's pairs and neighbouring experts' rows stay together (taken
+ * one at a time by size, as below, MoBA's layer at 1K took 3% longer). */
+static int run_in_runs(const Grouped *a, int64_t threads, int backward) {
+    const int64_t X = a->experts, total = a->offsets[X] - a->offsets[0];
     int failed = 0;
-    /* one share per thread of OpenMP: the libgomp that torch has loaded, so its warm threads and no
-     * second pool spinning against them; one thread when built without -fopenmp */
+    /* OpenMP: the libgomp that torch has loaded, so its warm threads and no second pool spinning
+     * against them; one thread when built without -fopenmp */
 #pragma omp parallel for num_threads(threads) schedule(static, 1) reduction(| : failed)
-    for (int64_t t = 0; t < threads; t++) failed |= run_work(&work[t]) != NULL;
+    for (int64_t t = 0; t < threads; t++) {
+        int64_t first = 0, last = 0;
+        /* the same cuts in every thread: share t is [cut t, cut t + 1) */
+        for (int64_t c = 0, x = 0; c <= t; c++) {
+            const int64_t start = x, goal = a->offsets[0] + total * (c + 1) / threads;
+            while (x < X && (c == threads - 1 || a->offsets[x + 1] <= goal)) x++;
+            if (x == start && x < X) x++;
+            first = start, last = x;
+        }
+        failed |= run_share(a, first, last, backward);
+    }
     return failed;
+}
+
+/* (pairs, unit) pairs: most pairs first, ties in unit order */
+static int compare_units(const void *x, const void *y) {
+    const int64_t *a = (const int64_t *)x, *b = (const int64_t *)y;
+    if (a[0] != b[0]) return a[0] > b[0] ? -1 : 1;
+    return a[1] < b[1] ? -1 : a[1] > b[1];
+}
+
+/* Units of several experts (MiTA's: a head's m experts, with their shared table): few and large, so
+ * a run of whole units per thread left one thread up to a unit's pairs longer than the other in
+ * padded batches (4% of the grouped forward at 1K, batch 8). The threads take them one at a time as
+ * each finishes one, most pairs first: the last taken are the smallest, and the threads finish
+ * together. */
+static int run_by_size(const Grouped *a, int64_t units, int64_t threads, int backward) {
+    const int64_t X = a->experts, unit = a->unit;
+    int64_t *order = (int64_t *)malloc(sizeof(int64_t) * 2 * units);
+    if (!order) return 1;
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t last = (u + 1) * unit < X ? (u + 1) * unit : X;
+        order[2 * u] = a->offsets[last] - a->offsets[u * unit], order[2 * u + 1] = u;
+    }
+    qsort(order, units, 2 * sizeof(int64_t), compare_units);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        void *buffer = calloc(1, work_bytes(a));
+        failed |= buffer == NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < units; i++) {
+            const int64_t first = order[2 * i + 1] * unit, last = first + unit < X ? first + unit : X;
+            if (buffer) run_experts(a, first, last, backward, buffer);
+        }
+        stream_fence();
+        free(buffer);
+    }
+    free(order);
+    return failed;
+}
+
+/* Every expert, forward or backward, in units of `unit` experts that no two threads share; returns
+ * 0 on success. */
+static int run(const Grouped *a, int backward) {
+    const int64_t unit = a->unit > 0 ? a->unit : 1, units = (a->experts + unit - 1) / unit;
+    int64_t threads = a->threads < 1 ? 1 : a->threads;
+    if (threads > units) threads = units > 0 ? units : 1;
+    return unit == 1 ? run_in_runs(a, threads, backward) : run_by_size(a, units, threads, backward);
 }
 
 int grouped_forward(const Grouped *a) { return run(a, 0); }

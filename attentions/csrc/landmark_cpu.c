@@ -15,7 +15,9 @@
  * gets lse -inf, shared values 0 and zero gradients.
  *
  * route_best: each query's best landmark, argmax_j q . L_j + bias_j (bias 0 or -inf for a missing
- * landmark; the first of equal values, as torch.argmax), -1 when every landmark is missing.
+ * landmark; the first of equal values, as torch.argmax), -1 when every landmark is missing (and,
+ * given key_ok, for the padded queries of a run of 2 VW that holds no real one: route_order drops
+ * every padded query's route).
  * route_order: route_best and the grouping of the queries by it in one call (a counting sort).
  *
  * Threads take whole heads: no two write the same row, no atomics, the same bits for any thread count.
@@ -47,6 +49,17 @@ static void key_bias(const uint8_t *ok, int64_t j0, int64_t nb, float *bias) {
     for (int64_t j = 0; j < nb; j++) bias[j] = (ok && !ok[j0 + j]) ? -INFINITY : 0.0f;
 }
 
+/* Whether keys [j0, j0 + nb) are all masked. The pass skips such a block: its probabilities are 0,
+ * so it adds nothing to a landmark's max, total, shared values or gradients, and its scores are
+ * -inf whatever the dots (the same bits as running it, for finite keys and values). A padded
+ * row's tail is such blocks: a quarter of the keys in rows of N/2..N real tokens. */
+static int masked_block(const uint8_t *ok, int64_t j0, int64_t nb) {
+    if (!ok) return 0;
+    for (int64_t j = 0; j < nb; j++)
+        if (ok[j0 + j]) return 0;
+    return 1;
+}
+
 /* p[j] = e^(s[j] - shift) for j < nb; 0 everywhere when shift is -inf (every key masked). */
 static void exps(const float *s, int64_t nb, float shift, float *p) {
     if (shift == -INFINITY) {
@@ -74,6 +87,11 @@ static void forward_head(const Landmarks *a, int64_t g, float *buf) {
     memset(out, 0, m * D * sizeof(float));
     for (int64_t j0 = 0; j0 < N; j0 += BLOCK) {
         const int64_t nb = N - j0 < BLOCK ? N - j0 : BLOCK;
+        if (masked_block(ok, j0, nb)) {
+            for (int64_t r = 0; r < m; r++)
+                for (int64_t j = 0; j < nb; j++) S[r * N + j0 + j] = -INFINITY;
+            continue;
+        }
         transpose_block(K + j0 * D, nb, D, kt);
         key_bias(ok, j0, nb, p);
         dots_of_rows(L, m, kt, p, nb, D, S + j0, N);
@@ -104,6 +122,7 @@ static void backward_head(const Landmarks *a, int64_t g, float *buf) {
     const float *L = a->marks + g * m * D, *K = a->keys + g * N * D, *V = a->values + g * N * D;
     const float *S = a->scores + g * m * N, *lse = a->lse + g * m, *out = a->shared + g * m * D;
     const float *dout = a->dshared + g * m * D;
+    const uint8_t *ok = a->key_ok ? a->key_ok + (g / a->heads) * N : NULL;
     float *dL = a->dmarks + g * m * D, *dK = a->dkeys + g * N * D, *dV = a->dvalues + g * N * D;
     float *vt = buf, *p = vt + D * BLOCK, *ds = p + m * BLOCK, *delta = ds + m * BLOCK, *zeros = delta + m;
     memset(zeros, 0, BLOCK * sizeof(float));
@@ -115,6 +134,19 @@ static void backward_head(const Landmarks *a, int64_t g, float *buf) {
     if (!a->accumulate) memset(dL, 0, m * D * sizeof(float));
     for (int64_t j0 = 0; j0 < N; j0 += BLOCK) {
         const int64_t nb = N - j0 < BLOCK ? N - j0 : BLOCK;
+        if (masked_block(ok, j0, nb)) {
+            if (!a->accumulate) {
+                memset(dK + j0 * D, 0, nb * D * sizeof(float));
+                memset(dV + j0 * D, 0, nb * D * sizeof(float));
+            }
+            continue;
+        }
+        /* the next block's scores, fetched while this one's products run: m pieces of nb floats
+         * N apart, more streams than the hardware prefetchers follow, so the exps below waited on
+         * each (at N = 64K, where S is 16 MB a head, half of this pass's own time) */
+        const int64_t next = j0 + BLOCK, nn = N - next < BLOCK ? N - next : BLOCK;
+        for (int64_t r = 0; r < m && nn > 0; r++)
+            for (int64_t j = 0; j < nn; j += 16) __builtin_prefetch(S + r * N + next + j);
         transpose_block(V + j0 * D, nb, D, vt);
         /* d_scores = p (dV_s . v - delta), the exps again from S and lse */
         dots_of_rows(dout, m, vt, zeros, nb, D, ds, nb);
@@ -129,8 +161,8 @@ static void backward_head(const Landmarks *a, int64_t g, float *buf) {
             memset(dK + j0 * D, 0, nb * D * sizeof(float));
             memset(dV + j0 * D, 0, nb * D * sizeof(float));
         }
-        add_outer(ds, L, m, nb, D, dK + j0 * D);
-        add_outer(p, dout, m, nb, D, dV + j0 * D);
+        add_outer(ds, nb, L, m, nb, D, dK + j0 * D, NULL);
+        add_outer(p, nb, dout, m, nb, D, dV + j0 * D, NULL);
     }
 }
 
@@ -166,8 +198,13 @@ static void route_head(const Landmarks *a, const float *q, const uint8_t *mark_o
     float *qt = buf, *bias = qt + 2 * D * VW;
     key_bias(mark_ok ? mark_ok + g * m : NULL, 0, m, bias);
     const vfi zero = {0};
+    const uint8_t *ok = a->key_ok ? a->key_ok + (g / a->heads) * N : NULL;
     for (int64_t t0 = 0; t0 < N; t0 += 2 * VW) {
         const int64_t count = N - t0 < 2 * VW ? N - t0 : 2 * VW;
+        if (masked_block(ok, t0, count)) {
+            for (int64_t l = 0; l < count; l++) best[g * N + t0 + l] = -1;
+            continue;
+        }
         rows_into_lanes(Q, t0, N, D, qt);
         vf top[2] = {splatv(-INFINITY), splatv(-INFINITY)};
         vfi which[2] = {zero - 1, zero - 1};
@@ -194,21 +231,54 @@ static void run_head(const Job *job, int64_t g, float *buf) {
     else route_head(job->a, job->q, job->mark_ok, g, job->best, buf);
 }
 
-/* The job over every head, whole heads per thread, each thread with a buffer of `floats`; 0 on success. */
+/* The order [G] in which the threads take the heads, one at a time as each finishes one: those with
+ * the most real tokens (key_ok) first, ties in head order. A head's work in every pass here and in
+ * the grouped attention grows with its real tokens (the masked key blocks skipped, padded queries in
+ * no expert), so the last heads taken are the smallest and the threads finish together; a static
+ * half of the heads each left one thread idle for the difference between two halves of the batch's
+ * rows. Every head is one thread's whole work: the same bits whichever thread takes it. NULL when
+ * out of memory. */
+static int64_t *heads_by_size(const Landmarks *a) {
+    const int64_t G = a->G, N = a->N, heads = a->heads < 1 ? 1 : a->heads, R = (G + heads - 1) / heads;
+    int64_t *order = (int64_t *)malloc(sizeof(int64_t) * (G + 2 * R));
+    if (!order) return NULL;
+    int64_t *real = order + G, *rows = real + R; /* real tokens per mask row; the rows by them */
+    for (int64_t r = 0; r < R; r++) {
+        real[r] = N;
+        if (a->key_ok) {
+            real[r] = 0;
+            for (int64_t t = 0; t < N; t++) real[r] += a->key_ok[r * N + t] != 0;
+        }
+        /* insertion: most real tokens first, stable */
+        int64_t i = r;
+        for (; i > 0 && real[rows[i - 1]] < real[r]; i--) rows[i] = rows[i - 1];
+        rows[i] = r;
+    }
+    int64_t at = 0;
+    for (int64_t i = 0; i < R; i++)
+        for (int64_t g = rows[i] * heads; g < (rows[i] + 1) * heads && g < G; g++) order[at++] = g;
+    return order;
+}
+
+/* The job over every head, whole heads per thread (heads_by_size), each thread with a buffer of
+ * `floats`; 0 on success. */
 static int over_heads(const Job *job, int64_t floats) {
     const Landmarks *a = job->a;
     const int64_t threads = a->threads < 1 ? 1 : (a->threads > a->G ? a->G : a->threads);
+    int64_t *order = heads_by_size(a);
+    if (!order) return 1;
     int failed = 0;
     /* the OpenMP runtime torch has loaded (see attentions/ops/native.py); one thread without -fopenmp */
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float *buf = (float *)malloc(sizeof(float) * floats);
         failed |= buf == NULL;
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < a->G; g++)
-            if (buf) run_head(job, g, buf);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < a->G; i++)
+            if (buf) run_head(job, order[i], buf);
         free(buf);
     }
+    free(order);
     return failed;
 }
 

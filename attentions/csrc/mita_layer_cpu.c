@@ -29,14 +29,17 @@ int mita_backward(const Grouped *ga, const Landmarks *la) {
     const int64_t G = la->G, m = la->m, N = la->N, D = la->D;
     const int64_t threads = ga->threads < 1 ? 1 : (ga->threads > G ? G : ga->threads);
     offsets_of_pairs(ga);
+    int64_t *order = heads_by_size(la);
+    if (!order) return 1;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         void *work = calloc(1, work_bytes(ga));
         float *pass = (float *)malloc(sizeof(float) * (D * BLOCK + 2 * m * BLOCK + m + BLOCK));
         failed |= work == NULL || pass == NULL;
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < G; g++) {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < G; i++) {
+            const int64_t g = order[i];
             if (!work || !pass) continue;
             memset(ga->dkeys + g * N * D, 0, sizeof(float) * N * D);
             memset(ga->dvalues + g * N * D, 0, sizeof(float) * N * D);
@@ -48,5 +51,6 @@ int mita_backward(const Grouped *ga, const Landmarks *la) {
         free(work);
         free(pass);
     }
+    free(order);
     return failed;
 }

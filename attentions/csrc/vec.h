@@ -38,10 +38,43 @@ static inline vf splatv(float x) { return x - (vf){0}; }
 /* lane by lane, a where mask is set (all bits), else b: a compare's result picking between vectors */
 static inline vf pickv(vfi mask, vf a, vf b) { return (vf)((mask & (vfi)a) | (~mask & (vfi)b)); }
 static inline vfi picki(vfi mask, vfi a, vfi b) { return (mask & a) | (~mask & b); }
+/* fold(x, h): lanes h .. 2 h - 1 of x moved onto lanes 0 .. h - 1 (the rest: don't care), so that
+ * an op of x and fold(x, h) combines lane l with lane l + h: log2(VW) such steps reduce a vector to
+ * its lane 0 in a tree. A serial pass over the lanes is a chain of VW dependent operations (64
+ * cycles of adds at VW 16), which the landmark pass and the softmax rows paid once per row and per
+ * block of keys; the tree takes four shuffles and four adds. */
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define LRA_HAS_FOLD 1
+#if VW == 16
+#define FOLD8(x) __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15)
+#define FOLD4(x) __builtin_shufflevector(x, x, 4, 5, 6, 7, 4, 5, 6, 7, 12, 13, 14, 15, 12, 13, 14, 15)
+#define FOLD2(x) __builtin_shufflevector(x, x, 2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15)
+#define FOLD1(x) __builtin_shufflevector(x, x, 1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15)
+#else
+#define FOLD4(x) __builtin_shufflevector(x, x, 4, 5, 6, 7, 4, 5, 6, 7)
+#define FOLD2(x) __builtin_shufflevector(x, x, 2, 3, 2, 3, 6, 7, 6, 7)
+#define FOLD1(x) __builtin_shufflevector(x, x, 1, 1, 3, 3, 5, 5, 7, 7)
+#endif
+#endif
+#endif
+
+/* the sum of x's lanes: a tree (lane l + lane l + VW / 2, ...) where the compiler has vector
+ * shuffles, else in lane order */
 static inline float sumv(vf x) {
+#ifdef LRA_HAS_FOLD
+#if VW == 16
+    x += FOLD8(x);
+#endif
+    x += FOLD4(x);
+    x += FOLD2(x);
+    x += FOLD1(x);
+    return x[0];
+#else
     float total = 0.0f;
     for (int l = 0; l < VW; l++) total += x[l];
     return total;
+#endif
 }
 
 /* A store that bypasses the caches (x86's non-temporal stores) for rows written once and read back

@@ -50,7 +50,7 @@ typedef struct {
     const float *weights;    /* [Q, P / Q] backward with query_rows, or NULL: the parts' weights in their
                               * queries' merge; then dout and out are the merged rows [Q, D] */
     float *offset;           /* [P] backward: d_lse - d_out . out, filled before the pairs run */
-    float *dq;               /* [P, D] backward, zeros for pairs with no expert */
+    float *dq;               /* [P, D] backward */
     float *dkeys, *dvalues;  /* [R, D] backward, zero-filled by the caller */
     float *dskeys, *dsvalues;/* [G, M, D] backward, zero-filled by the caller */
 } Grouped;
@@ -402,7 +402,26 @@ static int run(const Grouped *a, int backward) {
     return unit == 1 ? run_in_runs(a, threads, backward) : run_by_size(a, units, threads, backward);
 }
 
-int grouped_forward(const Grouped *a) { return run(a, 0); }
+/* The pairs with no expert, order[offsets[X] ..): outside every expert's run, so set here (out and,
+ * in the backward, dq 0; lse -inf; their kept softmax rows, in sorted pair order, 0). */
+static void no_expert_pairs(const Grouped *a, int backward) {
+    const int64_t D = a->D, n = a->M + a->S;
+    for (int64_t i = a->offsets[a->experts]; i < a->pairs; i++) {
+        const int64_t p = a->order[i];
+        if (backward) {
+            memset(a->dq + p * D, 0, sizeof(float) * D);
+            continue;
+        }
+        memset(a->out + p * D, 0, sizeof(float) * D);
+        a->lse[p] = -INFINITY;
+        if (a->probs) memset(a->probs + i * n, 0, sizeof(float) * n);
+    }
+}
+
+int grouped_forward(const Grouped *a) {
+    no_expert_pairs(a, 0);
+    return run(a, 0);
+}
 
 /* offset = d_lse - d_out . out for every pair, in row order (streamed: the pairs' own loop reads
  * them in expert order, where a row of out per pair was one more cache miss); with weights,
@@ -419,6 +438,7 @@ static void offsets_of_pairs(const Grouped *a) {
 }
 
 int grouped_backward(const Grouped *a) {
+    no_expert_pairs(a, 1);
     offsets_of_pairs(a);
     return run(a, 1);
 }

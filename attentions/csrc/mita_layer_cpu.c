@@ -28,6 +28,7 @@
 int mita_backward(const Grouped *ga, const Landmarks *la) {
     const int64_t G = la->G, m = la->m, N = la->N, D = la->D;
     const int64_t threads = ga->threads < 1 ? 1 : (ga->threads > G ? G : ga->threads);
+    no_expert_pairs(ga, 1);
     offsets_of_pairs(ga);
     int64_t *order = heads_by_size(la);
     if (!order) return 1;

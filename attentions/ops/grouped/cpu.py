@@ -171,12 +171,10 @@ def grouped_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     q holds R queries and pair p is part p / R of query p % R (a query's parts are then merged)."""
     _check_query_rows(q, order, query_rows)
     pairs = order.shape[0]
-    out, lse = q.new_empty(pairs, q.shape[1]), q.new_empty(pairs)  # [P, D], [P]: the kernel writes every pair ...
-    none = order[offsets[-1]:]  # ... in an expert's run; a pair with no expert gets 0 and -inf
-    out[none], lse[none] = 0.0, float("-inf")
-    # softmax rows in sorted pair order: the kernel writes the rows of the pairs in an expert's run
+    # [P, D], [P] and the softmax rows in sorted pair order, all written by the kernel (a pair with no
+    # expert gets 0, -inf and a row of 0)
+    out, lse = q.new_empty(pairs, q.shape[1]), q.new_empty(pairs)
     probs = q.new_empty(pairs, _saved_rows(pairs, keys, rows, shared_keys))
-    probs[offsets[-1]:] = 0.0
     args = grouped_block(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets,
                          group, scale, unit, query_rows)
     args.out, args.lse, args.probs = _ptr(out), _ptr(lse), _ptr(probs)
@@ -219,8 +217,6 @@ def grouped_backward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     d_keys, d_values = fresh(keys), fresh(values)
     d_shared_keys = q.new_empty(0) if shared_keys is None else torch.zeros_like(shared_keys)
     d_shared_values = q.new_empty(0) if shared_values is None else torch.zeros_like(shared_values)
-    # pairs with no expert are outside every expert's run: their dq is set here
-    dq[order[offsets[-1]:]] = 0.0
     offset = q.new_empty(pairs)  # [P], filled by the kernel
     args = grouped_block(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets,
                          group, scale, unit, query_rows)

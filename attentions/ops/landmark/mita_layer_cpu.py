@@ -62,9 +62,8 @@ def mita_backward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mar
     g, m, d = marks.shape
     n = keys.shape[0] // g
     pairs = order.shape[0]
-    dq, offset = q.new_empty(pairs, d), q.new_empty(pairs)  # offset [P]: filled by the kernel
+    dq, offset = q.new_empty(pairs, d), q.new_empty(pairs)  # both filled by the kernel
     d_keys, d_values, d_marks, d_shared = (torch.empty_like(t) for t in (keys, values, marks, shared_values))
-    dq[order[offsets[-1]:]] = 0.0  # pairs with no expert are outside every expert's run
     d_out = d_out.contiguous()
     pass_ = grouped_block(q, keys, values, marks, shared_values, rows, key_ok, shared_ok, order, offsets, m, scale,
                           m, 0)

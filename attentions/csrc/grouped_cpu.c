@@ -369,7 +369,7 @@ static int compare_units(const void *x, const void *y) {
  * together. */
 static int run_by_size(const Grouped *a, int64_t units, int64_t threads, int backward) {
     const int64_t X = a->experts, unit = a->unit;
-    int64_t *order = (int64_t *)malloc(sizeof(int64_t) * 2 * units);
+    int64_t *order = (int64_t *)malloc(sizeof(int64_t) * (2 * units + 1)); /* + 1: never malloc(0) */
     if (!order) return 1;
     for (int64_t u = 0; u < units; u++) {
         const int64_t last = (u + 1) * unit < X ? (u + 1) * unit : X;

@@ -240,7 +240,7 @@ static void run_head(const Job *job, int64_t g, float *buf) {
  * out of memory. */
 static int64_t *heads_by_size(const Landmarks *a) {
     const int64_t G = a->G, N = a->N, heads = a->heads < 1 ? 1 : a->heads, R = (G + heads - 1) / heads;
-    int64_t *order = (int64_t *)malloc(sizeof(int64_t) * (G + 2 * R));
+    int64_t *order = (int64_t *)malloc(sizeof(int64_t) * (G + 2 * R + 1)); /* + 1: never malloc(0) */
     if (!order) return NULL;
     int64_t *real = order + G, *rows = real + R; /* real tokens per mask row; the rows by them */
     for (int64_t r = 0; r < R; r++) {

@@ -171,13 +171,15 @@ static void forward_chunk(const Grouped *a, int64_t t0, int64_t rows, int64_t n,
 
 /* Pairs order[t0 .. t0 + rows) of one expert, phase by phase (six rows at a time, then two; an
  * odd last row goes through as both halves): the scaled queries and output gradients into qs, dout
- * [CHUNK][D]; the softmax rows into p [CHUNK][n] (copied from probs, kept rows prefetched AHEAD
- * pairs ahead, or made again from the logits and the saved log-sum-exps); d_logits into ds; dq
- * written (the expert's n key rows: kblock [n][D] or the pointers krows). A pair whose keys are all
- * masked (lse -inf) gets zero rows and dq 0. */
-static void backward_chunk(const Grouped *a, int64_t t0, int64_t rows, int64_t n, const float *kt, const float *vt,
-                           const float *kblock, const float *const *krows, const float *bias, const float *zeros,
-                           float *p, float *ds, float *qs, float *dout) {
+ * [CHUNK][D]; d_logits into ds; dq written (the expert's n key rows: kblock [n][D] or the pointers
+ * krows). Returns the chunk's softmax rows [rows][n]: the kept ones where they lie in probs (the
+ * chunk's pairs are consecutive there; each row fetched AHEAD pairs ahead), else made again in p
+ * [CHUNK][n] from the logits and the saved log-sum-exps. A pair whose keys are all masked (lse
+ * -inf) has a softmax row of zeros (kept or made so), zero d_logits and dq 0. */
+static const float *backward_chunk(const Grouped *a, int64_t t0, int64_t rows, int64_t n, const float *kt,
+                                   const float *vt, const float *kblock, const float *const *krows,
+                                   const float *bias, const float *zeros, float *p, float *ds, float *qs,
+                                   float *dout) {
     const int64_t D = a->D;
     const int64_t *pair = a->order + t0;
     for (int64_t c = 0; c < rows; c++) {
@@ -189,15 +191,15 @@ static void backward_chunk(const Grouped *a, int64_t t0, int64_t rows, int64_t n
         } else {
             copy_row(dout + c * D, a->dout + pair[c] * D, D);
         }
-        if (a->probs) {
-            /* the kept softmax rows come from memory (the forward streamed them past the caches):
-             * each is fetched AHEAD pairs ahead, a 64-byte line per 16 floats, across experts */
-            if (t0 + c + AHEAD < a->pairs)
-                for (int64_t j = 0; j < n; j += 16) __builtin_prefetch(a->probs + (t0 + c + AHEAD) * n + j);
-            memcpy(p + c * n, a->probs + (t0 + c) * n, n * sizeof(float));
-        }
+        /* the kept softmax rows come from memory (the forward streamed them past the caches):
+         * each is fetched AHEAD pairs ahead, a 64-byte line per 16 floats, across experts, and read
+         * where it lies (a copy into p cost a pass over them) */
+        if (a->probs && t0 + c + AHEAD < a->pairs)
+            for (int64_t j = 0; j < n; j += 16) __builtin_prefetch(a->probs + (t0 + c + AHEAD) * n + j);
     }
-    if (!a->probs) {
+    if (a->probs) {
+        p = a->probs + t0 * n;
+    } else {
         /* the softmax rows again from the logits and the saved log-sum-exps */
         dots_of_rows(qs, rows, kt, bias, n, D, p, n);
         for (int64_t c = 0; c < rows; c++) {
@@ -216,11 +218,9 @@ static void backward_chunk(const Grouped *a, int64_t t0, int64_t rows, int64_t n
         float *dq = a->dq + pair[c] * D;
         const int masked = a->lse[pair[c]] == -INFINITY;
         for (int64_t d = 0; d < D; d++) dq[d] = masked ? 0.0f : dq[d] * a->scale;
-        if (masked) {
-            memset(p + c * n, 0, n * sizeof(float));
-            memset(ds + c * n, 0, n * sizeof(float));
-        }
+        if (masked) memset(ds + c * n, 0, n * sizeof(float));
     }
+    return p;
 }
 
 /* Rows [first, last) of an expert's key and value gradients summed in its buffer into the tables:
@@ -307,13 +307,13 @@ static void run_experts(const Grouped *a, int64_t first, int64_t last, int backw
         }
         for (int64_t t0 = begin; t0 < end; t0 += CHUNK) {
             const int64_t rows = end - t0 < CHUNK ? end - t0 : CHUNK;
-            backward_chunk(a, t0, rows, n, kt, vt, block, at, bias, zeros, p, ds, qs, dout);
+            const float *pr = backward_chunk(a, t0, rows, n, kt, vt, block, at, bias, zeros, p, ds, qs, dout);
             /* dK += d_logits^T (scale q), dV += p^T d_out over the chunk's pairs: the shared keys'
              * rows in the buffer (summed over the group), the routed keys' as above */
             add_outer(ds, n, qs, rows, M, D, dk, NULL);
-            add_outer(p, n, dout, rows, M, D, dv, NULL);
+            add_outer(pr, n, dout, rows, M, D, dv, NULL);
             add_outer(ds + M, n, qs, rows, S, D, a->rows ? NULL : dk + M * D, a->rows ? dk_rows : NULL);
-            add_outer(p + M, n, dout, rows, S, D, a->rows ? NULL : dv + M * D, a->rows ? dv_rows : NULL);
+            add_outer(pr + M, n, dout, rows, S, D, a->rows ? NULL : dv + M * D, a->rows ? dv_rows : NULL);
         }
         if (!a->rows) store_gradients(a, x / a->group, row_of, dk, dv, M, n);
     }

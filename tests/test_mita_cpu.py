@@ -163,5 +163,15 @@ def test_layer_backward_equals_the_grouped_then_the_landmark_backward(monkeypatc
     got = mita_backward(*args)
     for name, a, want in zip(("dq", "d keys", "d values", "d marks"), got, (dq, dk, dv, d_marks)):
         assert torch.equal(a, want), (name, float((a - want).abs().max()))
+    # with the pooling's bins (the pairs are in query order here), the pooling's backward in the same
+    # call: d marks scaled and spread over dq, the same bits as the operator run after the call
+    n = q.shape[0] // g
+    starts, ends, _ = landmark_cpu.kernel_bins(None if token_ok is None else token_ok.bool(), g // h, n, m, q.device)
+    pooled = mita_backward(*args, starts, ends)
+    dq_after = got[0].clone()
+    landmark_cpu.pool_bins_backward_add(got[3] * scale, starts, ends, h, dq_after.view(g, n, d))
+    assert not torch.equal(dq_after, got[0])
+    assert torch.equal(pooled[0], dq_after) and torch.equal(pooled[3], got[3] * scale)
+    assert torch.equal(pooled[1], got[1]) and torch.equal(pooled[2], got[2])
     if masked:
         assert (got[0][-2:] == 0).all()  # pairs with no expert

@@ -114,6 +114,10 @@ def cases() -> List[Tuple[str, Callable, tuple]]:
     for masked in (False, True):
         out.append((f"mita_backward-masked{int(masked)}", mita_layer_cpu.mita_backward,
                     layer_backward_inputs(masked, b=2, h=1, n=20, m=2, s=3)))
+    # with the pooling's backward in the same call: the bins of 2 sequences of 20 tokens, 2 landmarks
+    bins = landmark.kernel_bins(None, 2, 20, 2, torch.device("cpu"))[:2]
+    out.append(("mita_backward-pooled", mita_layer_cpu.mita_backward,
+                (*layer_backward_inputs(False, b=2, h=1, n=20, m=2, s=3), *bins)))
     out.append(("route_best", landmark.route_best_op, (randn(4, 10, 8), randn(4, 3, 8), None)))
     out.append(("route_best-masked", landmark.route_best_op,
                 (randn(4, 10, 8), randn(4, 3, 8), torch.tensor([[1, 0, 1]] * 3 + [[0, 0, 0]], dtype=torch.uint8))))

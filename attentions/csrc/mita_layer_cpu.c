@@ -9,7 +9,8 @@
  * scores, keys and values between them nothing is left in the cache for the second. Here a thread
  * takes a head through both: zeroes its rows of dK, dV and d marks, d V_s, runs the grouped backward
  * of its m experts (their routed keys are rows of the same head: the head's rows are its own) and
- * then the landmark backward of the head, into the same rows while they are in the cache. The same
+ * then the landmark backward of the head, into the same rows while they are in the cache (and, when
+ * asked, the landmarks' pooling backward into the head's dq rows). The same
  * arithmetic in the same order as the two calls: the same bits (tests/test_mita_cpu.py). MiTA's layer
  * (forward and backward, batch 8, 2 threads, AMD EPYC) 4-7% faster at 1K-4K; the same at 64K (B = 1,
  * H = 4), where a head's rows no longer fit the caches (results/throughput/kernel-ab-amd-epyc-2c/).
@@ -23,9 +24,13 @@
 /* ga: the grouped backward of G m experts, M = m shared keys per group of m experts (group = m),
  * keys read by index from rows of their own head (rows [G m, S] into [G N, D]); its dkeys, dvalues,
  * dskeys, dsvalues are written whole (no zero fill needed). la: the landmark backward of the same G heads with accumulate 1,
- * dshared = ga->dsvalues, dmarks = ga->dskeys, dkeys and dvalues those of ga. 0 on success, 1 when a
+ * dshared = ga->dsvalues, dmarks = ga->dskeys, dkeys and dvalues those of ga. pool, or NULL: the
+ * landmarks' pooling (backward, accumulate 1, dout = dmarks, dx = ga->dq with its rows in query
+ * order): the head's d marks are multiplied by pool_scale (the gradient of the unscaled landmarks,
+ * which the layer scaled by it) and spread over the head's dq rows while they are in the cache, as
+ * lra::pool_bins_backward_add of them would after the call (the same bits). 0 on success, 1 when a
  * thread's buffers could not be allocated. */
-int mita_backward(const Grouped *ga, const Landmarks *la) {
+int mita_backward(const Grouped *ga, const Landmarks *la, const Pool *pool, float pool_scale) {
     const int64_t G = la->G, m = la->m, N = la->N, D = la->D;
     const int64_t threads = ga->threads < 1 ? 1 : (ga->threads > G ? G : ga->threads);
     no_expert_pairs(ga, 1);
@@ -48,6 +53,10 @@ int mita_backward(const Grouped *ga, const Landmarks *la) {
             memset(ga->dsvalues + g * m * D, 0, sizeof(float) * m * D);
             run_experts(ga, g * m, (g + 1) * m, 1, work);
             backward_head(la, g, pass);
+            if (pool) {
+                for (int64_t i = 0; i < m * D; i++) ga->dskeys[g * m * D + i] *= pool_scale;
+                pool_head(pool, g);
+            }
         }
         free(work);
         free(pass);

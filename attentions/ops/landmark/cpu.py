@@ -77,7 +77,7 @@ SIGNATURES: native.Signatures = {
 }
 
 
-def _pool_block(starts: torch.Tensor, ends: torch.Tensor, heads: int, g: int, n: int, d: int) -> Pool:
+def pool_block(starts: torch.Tensor, ends: torch.Tensor, heads: int, g: int, n: int, d: int) -> Pool:
     return Pool(G=g, m=starts.shape[1], N=n, D=d, heads=heads, threads=torch.get_num_threads(), starts=_ptr(starts),
                 ends=_ptr(ends))
 
@@ -88,7 +88,7 @@ def pool_bins(x: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, heads: 
     [G / heads, m] long) -> [G, m, D]."""
     g, n, d = x.shape
     out = x.new_empty(g, starts.shape[1], d)
-    args = _pool_block(starts, ends, heads, g, n, d)
+    args = pool_block(starts, ends, heads, g, n, d)
     args.backward, args.x, args.out = 0, _ptr(x), _ptr(out)
     _check(library().pool_bins(ctypes.byref(args)))
     return out
@@ -105,7 +105,7 @@ def pool_bins_backward_add(d_out: torch.Tensor, starts: torch.Tensor, ends: torc
     """Adds the gradient of ``pool_bins`` for d_out [G, m, D] into dx [G, N, D] (contiguous float32)."""
     g, n, d = dx.shape
     d_out = d_out.to(torch.float32).contiguous()
-    args = _pool_block(starts, ends, heads, g, n, d)
+    args = pool_block(starts, ends, heads, g, n, d)
     args.backward, args.accumulate, args.dout, args.dx = 1, 1, _ptr(d_out), _ptr(dx)
     _check(library().pool_bins(ctypes.byref(args)))
 
@@ -117,7 +117,7 @@ def pool_bins_backward(d_out: torch.Tensor, starts: torch.Tensor, ends: torch.Te
     d_out = d_out.to(torch.float32).contiguous()
     g, _, d = d_out.shape
     dx = d_out.new_empty(g, n, d)
-    args = _pool_block(starts, ends, heads, g, n, d)
+    args = pool_block(starts, ends, heads, g, n, d)
     args.backward, args.accumulate, args.dout, args.dx = 1, 0, _ptr(d_out), _ptr(dx)
     _check(library().pool_bins(ctypes.byref(args)))
     return dx

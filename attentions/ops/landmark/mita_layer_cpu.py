@@ -11,8 +11,9 @@ grouped attention's gradients are the buffers, and the landmark pass adds its ke
 landmark gradients into them in the same kernel call (``lra::mita_backward``, csrc/mita_layer_cpu.c:
 a thread takes a head through both passes while its rows are in the cache, the same bits as the
 two operators ``lra::grouped_backward`` and ``lra::landmark_backward_add`` in turn); the pooling
-adds its query gradient into dq. tests/test_mita_cpu.py checks it against the composed path,
-``mita.reference`` and the two operators.
+adds its query gradient into dq, in the same call where dq's rows are in query order (then the
+head's dq rows are still in the cache; as ``lra::pool_bins_backward_add`` after it, the same bits).
+tests/test_mita_cpu.py checks it against the composed path, ``mita.reference`` and the operators.
 """
 
 import ctypes
@@ -24,10 +25,12 @@ from torch.library import custom_op, register_fake
 
 from .. import native
 from ..grouped.cpu import Grouped, grouped_block, grouped_forward, take_rows
-from .cpu import Landmarks, kernel_bins, landmark_block, landmark_forward, pool_bins, pool_bins_backward_add, route_order
+from .cpu import (Landmarks, Pool, kernel_bins, landmark_block, landmark_forward, pool_block, pool_bins,
+                  pool_bins_backward_add, route_order)
 
 LIBRARY = "mita_layer_cpu"
-SIGNATURES: native.Signatures = {"mita_backward": ([ctypes.POINTER(Grouped), ctypes.POINTER(Landmarks)], ctypes.c_int)}
+SIGNATURES: native.Signatures = {"mita_backward": ([ctypes.POINTER(Grouped), ctypes.POINTER(Landmarks),
+                                                    ctypes.POINTER(Pool), ctypes.c_float], ctypes.c_int)}
 
 
 def library() -> Optional[ctypes.CDLL]:
@@ -49,7 +52,8 @@ def mita_backward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mar
                   shared_values: torch.Tensor, rows: torch.Tensor, key_ok: Optional[torch.Tensor],
                   shared_ok: Optional[torch.Tensor], order: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, probs: torch.Tensor, d_out: torch.Tensor, token_ok: Optional[torch.Tensor],
-                  scores: torch.Tensor, marks_lse: torch.Tensor, heads: int, scale: float
+                  scores: torch.Tensor, marks_lse: torch.Tensor, heads: int, scale: float,
+                  starts: Optional[torch.Tensor] = None, ends: Optional[torch.Tensor] = None
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward of MiTA's grouped attention and landmark pass, head by head: ``lra::grouped_backward``
     of the first ten arguments (G m experts over the [G N, D] keys and values by ``rows`` [G m, k], each
@@ -58,7 +62,12 @@ def mita_backward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mar
     lse, softmax rows and d_out) followed by
     ``lra::landmark_backward_add`` of the landmark pass (token_ok [G / heads, N] or None, its scores
     [G, m, N] and log-sum-exps [G, m]) into its gradients. Returns dq [P, D] (a row per pair), d keys,
-    d values [G N, D] and d marks [G, m, D], new tensors."""
+    d values [G N, D] and d marks [G, m, D], new tensors. With the pooling's bins ``starts``, ``ends``
+    [G / heads, m] (the pairs in query order, P = G N): the landmarks were pooled from q and scaled
+    by ``scale``, and each head's pooling backward runs in the same call, after its other passes:
+    d marks come back multiplied by ``scale`` (the gradient of the pooled, unscaled landmarks) and
+    spread over the bins' rows of dq, as ``pool_bins_backward_add(d_marks * scale, ...)`` would
+    (the same bits)."""
     g, m, d = marks.shape
     n = keys.shape[0] // g
     pairs = order.shape[0]
@@ -76,14 +85,19 @@ def mita_backward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mar
         _ptr(scores), _ptr(marks_lse), _ptr(shared_values), 1)
     marks_pass.dshared, marks_pass.dmarks, marks_pass.dkeys, marks_pass.dvalues = (
         _ptr(d_shared), _ptr(d_marks), _ptr(d_keys), _ptr(d_values))
-    if library().mita_backward(ctypes.byref(pass_), ctypes.byref(marks_pass)) != 0:
+    pool = None
+    if starts is not None and ends is not None:
+        pool = pool_block(starts, ends, heads, g, n, d)
+        pool.backward, pool.accumulate, pool.dout, pool.dx = 1, 1, _ptr(d_marks), _ptr(dq)
+    if library().mita_backward(ctypes.byref(pass_), ctypes.byref(marks_pass),
+                               None if pool is None else ctypes.byref(pool), scale) != 0:
         raise MemoryError("the MiTA layer's CPU kernel could not allocate its per-thread buffers")
     return dq, d_keys, d_values, d_marks
 
 
 @register_fake("lra::mita_backward")
 def _(q, keys, values, marks, shared_values, rows, key_ok, shared_ok, order, offsets, out, lse, probs, d_out,
-      token_ok, scores, marks_lse, heads, scale):
+      token_ok, scores, marks_lse, heads, scale, starts=None, ends=None):
     return q.new_empty(order.shape[0], q.shape[1]), torch.empty_like(keys), torch.empty_like(values), torch.empty_like(
         marks)
 
@@ -157,9 +171,13 @@ class MiTACPU(torch.autograd.Function):
         # order with sorted rows, else query order), dk, dv [G N, D], d scaled [G, m, D]
         d_out = d_out.reshape(g * n, d).contiguous()
         d_out_pairs = take_rows(d_out, order) if ctx.sorted else d_out  # [G N, D]
-        dq_pairs, dk, dv, d_scaled = mita_backward(*grouped, out_pairs, lse, probs, d_out_pairs, mask_bytes, scores,
-                                                   landmark_lse, h, ctx.scale)
-        dq = take_rows(dq_pairs, inverse) if ctx.sorted else dq_pairs
-        # the pooling adds its dq
-        pool_bins_backward_add(d_scaled * ctx.scale, starts, ends, h, dq.view(g, n, d))
+        # in query order, the pooling's dq is added by the same call, a head at a time
+        bins = (None, None) if ctx.sorted else (starts, ends)
+        dq_pairs, dk, dv, d_marks = mita_backward(*grouped, out_pairs, lse, probs, d_out_pairs, mask_bytes, scores,
+                                                  landmark_lse, h, ctx.scale, *bins)
+        if ctx.sorted:
+            dq = take_rows(dq_pairs, inverse)
+            pool_bins_backward_add(d_marks * ctx.scale, starts, ends, h, dq.view(g, n, d))
+        else:
+            dq = dq_pairs
         return dq.view(b, h, n, d), dk.view(b, h, n, d), dv.view(b, h, n, d), None, None, None, None

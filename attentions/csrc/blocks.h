@@ -387,7 +387,8 @@ static inline void add_outer(const float *w, int64_t ldw, const float *x, int64_
                 for (int k = 0; k < 6; k++)
                     for (int p = 0; p < ROW_P; p++)
                         for (int v = 0; v < 2; v++)
-                            a[k][p][v] = p == 0 ? outer_init(grad_row(g, to, j + k, D) + d0 + v * VW, (const float *const *)to)
+                            a[k][p][v] = p == 0 ? outer_init(grad_row(g, to, j + k, D) + d0 + v * VW,
+                                                             (const float *const *)to)
                                                 : splatv(0.0f);
                 int64_t c = 0;
                 for (; c + ROW_P <= rows; c += ROW_P)

@@ -300,7 +300,8 @@ static void run_experts(const Grouped *a, int64_t first, int64_t last, int backw
          * by index: load_expert left the rows in row_of), else summed in the buffer's rows and
          * written to the expert's own rows (see store_gradients) */
         if (a->rows) {
-            for (int64_t s = 0; s < S; s++) dk_rows[s] = a->dkeys + row_of[s] * D, dv_rows[s] = a->dvalues + row_of[s] * D;
+            for (int64_t s = 0; s < S; s++)
+                dk_rows[s] = a->dkeys + row_of[s] * D, dv_rows[s] = a->dvalues + row_of[s] * D;
         } else {
             memset(dk + M * D, 0, sizeof(float) * S * D);
             memset(dv + M * D, 0, sizeof(float) * S * D);
@@ -363,10 +364,10 @@ static int compare_units(const void *x, const void *y) {
 }
 
 /* Units of several experts (MiTA's: a head's m experts, with their shared table): few and large, so
- * a run of whole units per thread left one thread up to a unit's pairs longer than the other in
- * padded batches (4% of the grouped forward at 1K, batch 8). The threads take them one at a time as
- * each finishes one, most pairs first: the last taken are the smallest, and the threads finish
- * together. */
+ * a run of whole units per thread would leave one thread up to a unit's pairs longer than the
+ * other in padded batches (4% of the grouped forward at 1K, batch 8). The threads take them one at
+ * a time as each finishes one, most pairs first: the last taken are the smallest, and the threads
+ * finish together. */
 static int run_by_size(const Grouped *a, int64_t units, int64_t threads, int backward) {
     const int64_t X = a->experts, unit = a->unit;
     int64_t *order = (int64_t *)malloc(sizeof(int64_t) * (2 * units + 1)); /* + 1: never malloc(0) */

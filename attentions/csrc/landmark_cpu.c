@@ -142,8 +142,8 @@ static void backward_head(const Landmarks *a, int64_t g, float *buf) {
             continue;
         }
         /* the next block's scores, fetched while this one's products run: m pieces of nb floats
-         * N apart, more streams than the hardware prefetchers follow, so the exps below waited on
-         * each (at N = 64K, where S is 16 MB a head, half of this pass's own time) */
+         * N apart, more streams than the hardware prefetchers follow, so the exps below would wait
+         * on each (at N = 64K, where S is 16 MB a head, half of this pass's own time) */
         const int64_t next = j0 + BLOCK, nn = N - next < BLOCK ? N - next : BLOCK;
         for (int64_t r = 0; r < m && nn > 0; r++)
             for (int64_t j = 0; j < nn; j += 16) __builtin_prefetch(S + r * N + next + j);
@@ -234,10 +234,10 @@ static void run_head(const Job *job, int64_t g, float *buf) {
 /* The order [G] in which the threads take the heads, one at a time as each finishes one: those with
  * the most real tokens (key_ok) first, ties in head order. A head's work in every pass here and in
  * the grouped attention grows with its real tokens (the masked key blocks skipped, padded queries in
- * no expert), so the last heads taken are the smallest and the threads finish together; a static
- * half of the heads each left one thread idle for the difference between two halves of the batch's
- * rows. Every head is one thread's whole work: the same bits whichever thread takes it. NULL when
- * out of memory. */
+ * no expert), so the last heads taken are the smallest and the threads finish together; a fixed
+ * half of the heads each would leave one thread idle for the difference between two halves of the
+ * batch's rows. Every head is one thread's whole work: the same bits whichever thread takes it.
+ * NULL when out of memory. */
 static int64_t *heads_by_size(const Landmarks *a) {
     const int64_t G = a->G, N = a->N, heads = a->heads < 1 ? 1 : a->heads, R = (G + heads - 1) / heads;
     int64_t *order = (int64_t *)malloc(sizeof(int64_t) * (G + 2 * R + 1)); /* + 1: never malloc(0) */

@@ -41,7 +41,7 @@ static inline vfi picki(vfi mask, vfi a, vfi b) { return (mask & a) | (~mask & b
 /* fold(x, h): lanes h .. 2 h - 1 of x moved onto lanes 0 .. h - 1 (the rest: don't care), so that
  * an op of x and fold(x, h) combines lane l with lane l + h: log2(VW) such steps reduce a vector to
  * its lane 0 in a tree. A serial pass over the lanes is a chain of VW dependent operations (64
- * cycles of adds at VW 16), which the landmark pass and the softmax rows paid once per row and per
+ * cycles of adds at VW 16), which the landmark pass and the softmax rows would pay once per row and per
  * block of keys; the tree takes four shuffles and four adds. */
 #if defined(__has_builtin)
 #if __has_builtin(__builtin_shufflevector)

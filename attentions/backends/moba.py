@@ -169,7 +169,7 @@ class MoBAAttention(Attention):
             # its own (ops/grouped/merged_cpu.py). A padded query takes no block: its output is 0 (the
             # contract's padded rows) and its pairs cost nothing
             if mask is not None:
-                query_ok = real_key_mask(mask, q).repeat_interleave(h, dim=0)  # [B*H, N]
+                query_ok = mask.repeat_interleave(h, dim=0)  # [B*H, N]
                 expert = torch.where(query_ok, expert, b * h * blocks)
             out = merged_attention_cpu(q_rows, expert.flatten(), block_k, block_v, block_ok, 1 / math.sqrt(d))
             return out.view(b, h, n, d)

@@ -2,16 +2,39 @@
  * Top-k attention, TTT), at the machine's vector width VW (vec.h): a branch-free e^x, lane-wise max and
  * sum, and the products of several rows at once against a block held in the L1 cache (dots2, dots6:
  * across keys of a transposed block; mix2_rows, mix6_rows: weighted sums of rows, of a block or read
- * in place; add_outer: a rank-C gradient update); transposes in 8 x 8 register tiles. All static
- * inline: each kernel compiles its own copy. */
+ * in place; add_outer: a rank-C gradient update); transposes in 8 x 8 register tiles; the order in
+ * which threads take pieces of work, largest first. All static inline: each kernel compiles its own
+ * copy. */
 #ifndef LRA_BLOCKS_H
 #define LRA_BLOCKS_H
 
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "vec.h"
+
+/* (size, index) pairs: larger size first, ties in index order */
+static inline int larger_first(const void *x, const void *y) {
+    const int64_t *a = (const int64_t *)x, *b = (const int64_t *)y;
+    if (a[0] != b[0]) return a[0] > b[0] ? -1 : 1;
+    return a[1] < b[1] ? -1 : a[1] > b[1];
+}
+
+/* A new array [n] of 0 .. n - 1 ordered by size [n], largest first, ties in index order; NULL when
+ * out of memory. The order in which threads take whole pieces of work one at a time as each
+ * finishes one (OpenMP's dynamic schedule): the last pieces taken are the smallest, so the threads
+ * finish together, where a fixed share each would leave one idle for the difference. Each piece is
+ * one thread's whole work, so the results are the same whichever thread takes it. */
+static inline int64_t *largest_first(const int64_t *size, int64_t n) {
+    int64_t *pairs = (int64_t *)malloc(sizeof(int64_t) * (2 * n + 1)); /* + 1: never malloc(0) */
+    if (!pairs) return NULL;
+    for (int64_t i = 0; i < n; i++) pairs[2 * i] = size[i], pairs[2 * i + 1] = i;
+    qsort(pairs, n, 2 * sizeof(int64_t), larger_first);
+    for (int64_t i = 0; i < n; i++) pairs[i] = pairs[2 * i + 1];
+    return pairs;
+}
 
 /* e^x for x <= ~0: e^x = 2^n e^r with n = round(x / ln 2) and r = x - n ln 2 in [-ln 2 / 2, ln 2 / 2]
  * (ln 2 split in two, Cephes' constants, so r is exact), e^r by a degree-6 polynomial fitted for
@@ -357,15 +380,14 @@ static inline float *grad_row(float *g, float *const *to, int64_t j, int64_t D) 
     return to ? to[j] : g + j * D;
 }
 
-/* Accumulator init from row j of the gradient: a block's row (to NULL) is added to; scattered rows
- * (to) are summed from 0 and added to their row at the end (outer_store), so a row listed twice
- * gets both sums. */
-static inline vf outer_init(const float *row, const float *const *to) {
-    return to ? splatv(0.0f) : loadv(row);
+/* Accumulator init from a row of the gradient: a block's row is added to; scattered rows are summed
+ * from 0 and added to their row at the end (outer_store), so a row listed twice gets both sums. */
+static inline vf outer_init(const float *row, int scattered) {
+    return scattered ? splatv(0.0f) : loadv(row);
 }
 
-static inline void outer_store(float *row, const float *const *to, vf a) {
-    storev(row, to ? loadv(row) + a : a);
+static inline void outer_store(float *row, int scattered, vf a) {
+    storev(row, scattered ? loadv(row) + a : a);
 }
 
 /* g_j[d] += sum_c w[c * ldw + j] * x[c * D + d] for keys j < n: the rank-C update w^T x of a [n][D]
@@ -377,6 +399,7 @@ static inline void outer_store(float *row, const float *const *to, vf a) {
  * alternate rows c add into separate accumulators (8 in all). */
 static inline void add_outer(const float *w, int64_t ldw, const float *x, int64_t rows, int64_t n, int64_t D,
                              float *g, float *const *to) {
+    const int scattered = to != NULL;
     int64_t j = 0;
     if (D % 32 == 0 && D % (2 * VW) == 0) {
         /* six keys at a time over 2 vectors of the head dim: 12 accumulators (24 at VW 16), each
@@ -387,8 +410,7 @@ static inline void add_outer(const float *w, int64_t ldw, const float *x, int64_
                 for (int k = 0; k < 6; k++)
                     for (int p = 0; p < ROW_P; p++)
                         for (int v = 0; v < 2; v++)
-                            a[k][p][v] = p == 0 ? outer_init(grad_row(g, to, j + k, D) + d0 + v * VW,
-                                                             (const float *const *)to)
+                            a[k][p][v] = p == 0 ? outer_init(grad_row(g, to, j + k, D) + d0 + v * VW, scattered)
                                                 : splatv(0.0f);
                 int64_t c = 0;
                 for (; c + ROW_P <= rows; c += ROW_P)
@@ -412,8 +434,8 @@ static inline void add_outer(const float *w, int64_t ldw, const float *x, int64_
                     for (int p = 1; p < ROW_P; p++)
                         for (int v = 0; v < 2; v++) a[k][0][v] += a[k][p][v];
                     float *out = grad_row(g, to, j + k, D) + d0;
-                    outer_store(out, (const float *const *)to, a[k][0][0]);
-                    outer_store(out + VW, (const float *const *)to, a[k][0][1]);
+                    outer_store(out, scattered, a[k][0][0]);
+                    outer_store(out + VW, scattered, a[k][0][1]);
                 }
             }
     }
@@ -424,8 +446,8 @@ static inline void add_outer(const float *w, int64_t ldw, const float *x, int64_
                 vf a[ROW_P][ROW_NV], b[ROW_P][ROW_NV];
                 for (int p = 0; p < ROW_P; p++)
                     for (int v = 0; v < ROW_NV; v++) {
-                        a[p][v] = p == 0 ? outer_init(g0 + d0 + v * VW, (const float *const *)to) : splatv(0.0f);
-                        b[p][v] = p == 0 ? outer_init(g1 + d0 + v * VW, (const float *const *)to) : splatv(0.0f);
+                        a[p][v] = p == 0 ? outer_init(g0 + d0 + v * VW, scattered) : splatv(0.0f);
+                        b[p][v] = p == 0 ? outer_init(g1 + d0 + v * VW, scattered) : splatv(0.0f);
                     }
                 int64_t c = 0;
                 for (; c + ROW_P <= rows; c += ROW_P)
@@ -445,8 +467,8 @@ static inline void add_outer(const float *w, int64_t ldw, const float *x, int64_
                 }
                 for (int p = 1; p < ROW_P; p++)
                     for (int v = 0; v < ROW_NV; v++) a[0][v] += a[p][v], b[0][v] += b[p][v];
-                for (int v = 0; v < ROW_NV; v++) outer_store(g0 + d0 + v * VW, (const float *const *)to, a[0][v]);
-                for (int v = 0; v < ROW_NV; v++) outer_store(g1 + d0 + v * VW, (const float *const *)to, b[0][v]);
+                for (int v = 0; v < ROW_NV; v++) outer_store(g0 + d0 + v * VW, scattered, a[0][v]);
+                for (int v = 0; v < ROW_NV; v++) outer_store(g1 + d0 + v * VW, scattered, b[0][v]);
             }
         }
     }
@@ -454,14 +476,14 @@ static inline void add_outer(const float *w, int64_t ldw, const float *x, int64_
         float *gj = grad_row(g, to, j, D);
         int64_t d0 = 0;
         for (; d0 + VW <= D; d0 += VW) {
-            vf acc = outer_init(gj + d0, (const float *const *)to);
+            vf acc = outer_init(gj + d0, scattered);
             for (int64_t c = 0; c < rows; c++) acc += splatv(w[c * ldw + j]) * loadv(x + c * D + d0);
-            outer_store(gj + d0, (const float *const *)to, acc);
+            outer_store(gj + d0, scattered, acc);
         }
         for (int64_t d = d0; d < D; d++) {
-            float acc = to ? 0.0f : gj[d];
+            float acc = scattered ? 0.0f : gj[d];
             for (int64_t c = 0; c < rows; c++) acc += w[c * ldw + j] * x[c * D + d];
-            gj[d] = to ? gj[d] + acc : acc;
+            gj[d] = scattered ? gj[d] + acc : acc;
         }
     }
 }

@@ -338,45 +338,37 @@ static int run_share(const Grouped *a, int64_t first, int64_t last, int backward
  * one at a time by size, as below, MoBA's layer at 1K took 3% longer). */
 static int run_in_runs(const Grouped *a, int64_t threads, int backward) {
     const int64_t X = a->experts, total = a->offsets[X] - a->offsets[0];
+    int64_t *cut = (int64_t *)malloc(sizeof(int64_t) * (threads + 1)); /* thread t: [cut[t], cut[t + 1]) */
+    if (!cut) return 1;
+    cut[0] = 0;
+    for (int64_t t = 0, x = 0; t < threads; t++) {
+        const int64_t start = x, goal = a->offsets[0] + total * (t + 1) / threads;
+        while (x < X && (t == threads - 1 || a->offsets[x + 1] <= goal)) x++;
+        if (x == start && x < X) x++;
+        cut[t + 1] = x;
+    }
     int failed = 0;
     /* OpenMP: the libgomp that torch has loaded, so its warm threads and no second pool spinning
      * against them; one thread when built without -fopenmp */
 #pragma omp parallel for num_threads(threads) schedule(static, 1) reduction(| : failed)
-    for (int64_t t = 0; t < threads; t++) {
-        int64_t first = 0, last = 0;
-        /* the same cuts in every thread: share t is [cut t, cut t + 1) */
-        for (int64_t c = 0, x = 0; c <= t; c++) {
-            const int64_t start = x, goal = a->offsets[0] + total * (c + 1) / threads;
-            while (x < X && (c == threads - 1 || a->offsets[x + 1] <= goal)) x++;
-            if (x == start && x < X) x++;
-            first = start, last = x;
-        }
-        failed |= run_share(a, first, last, backward);
-    }
+    for (int64_t t = 0; t < threads; t++) failed |= run_share(a, cut[t], cut[t + 1], backward);
+    free(cut);
     return failed;
 }
 
-/* (pairs, unit) pairs: most pairs first, ties in unit order */
-static int compare_units(const void *x, const void *y) {
-    const int64_t *a = (const int64_t *)x, *b = (const int64_t *)y;
-    if (a[0] != b[0]) return a[0] > b[0] ? -1 : 1;
-    return a[1] < b[1] ? -1 : a[1] > b[1];
-}
-
 /* Units of several experts (MiTA's: a head's m experts, with their shared table): few and large, so
- * a run of whole units per thread would leave one thread up to a unit's pairs longer than the
- * other in padded batches (4% of the grouped forward at 1K, batch 8). The threads take them one at
- * a time as each finishes one, most pairs first: the last taken are the smallest, and the threads
- * finish together. */
+ * the threads take them one at a time, most pairs first (blocks.h's largest_first; a run of whole
+ * units per thread would leave one thread up to a unit's pairs longer than the other in padded
+ * batches, 4% of the grouped forward at 1K, batch 8). */
 static int run_by_size(const Grouped *a, int64_t units, int64_t threads, int backward) {
     const int64_t X = a->experts, unit = a->unit;
-    int64_t *order = (int64_t *)malloc(sizeof(int64_t) * (2 * units + 1)); /* + 1: never malloc(0) */
+    int64_t *pairs = (int64_t *)malloc(sizeof(int64_t) * (units + 1));
+    if (!pairs) return 1;
+    for (int64_t u = 0; u < units; u++)
+        pairs[u] = a->offsets[(u + 1) * unit < X ? (u + 1) * unit : X] - a->offsets[u * unit];
+    int64_t *order = largest_first(pairs, units);
+    free(pairs);
     if (!order) return 1;
-    for (int64_t u = 0; u < units; u++) {
-        const int64_t last = (u + 1) * unit < X ? (u + 1) * unit : X;
-        order[2 * u] = a->offsets[last] - a->offsets[u * unit], order[2 * u + 1] = u;
-    }
-    qsort(order, units, 2 * sizeof(int64_t), compare_units);
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
@@ -384,7 +376,7 @@ static int run_by_size(const Grouped *a, int64_t units, int64_t threads, int bac
         failed |= buffer == NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < units; i++) {
-            const int64_t first = order[2 * i + 1] * unit, last = first + unit < X ? first + unit : X;
+            const int64_t first = order[i] * unit, last = first + unit < X ? first + unit : X;
             if (buffer) run_experts(a, first, last, backward, buffer);
         }
         stream_fence();

@@ -231,32 +231,25 @@ static void run_head(const Job *job, int64_t g, float *buf) {
     else route_head(job->a, job->q, job->mark_ok, g, job->best, buf);
 }
 
-/* The order [G] in which the threads take the heads, one at a time as each finishes one: those with
- * the most real tokens (key_ok) first, ties in head order. A head's work in every pass here and in
- * the grouped attention grows with its real tokens (the masked key blocks skipped, padded queries in
- * no expert), so the last heads taken are the smallest and the threads finish together; a fixed
- * half of the heads each would leave one thread idle for the difference between two halves of the
- * batch's rows. Every head is one thread's whole work: the same bits whichever thread takes it.
- * NULL when out of memory. */
+/* The order [G] in which the threads take the heads (blocks.h's largest_first), by their real tokens
+ * (key_ok): a head's work in every pass here and in the grouped attention grows with them (the
+ * masked key blocks skipped, padded queries in no expert). NULL when out of memory. */
 static int64_t *heads_by_size(const Landmarks *a) {
-    const int64_t G = a->G, N = a->N, heads = a->heads < 1 ? 1 : a->heads, R = (G + heads - 1) / heads;
-    int64_t *order = (int64_t *)malloc(sizeof(int64_t) * (G + 2 * R + 1)); /* + 1: never malloc(0) */
-    if (!order) return NULL;
-    int64_t *real = order + G, *rows = real + R; /* real tokens per mask row; the rows by them */
-    for (int64_t r = 0; r < R; r++) {
-        real[r] = N;
-        if (a->key_ok) {
-            real[r] = 0;
-            for (int64_t t = 0; t < N; t++) real[r] += a->key_ok[r * N + t] != 0;
+    const int64_t G = a->G, N = a->N, heads = a->heads < 1 ? 1 : a->heads;
+    int64_t *real = (int64_t *)malloc(sizeof(int64_t) * (G + 1));
+    if (!real) return NULL;
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *ok = a->key_ok ? a->key_ok + (g / heads) * N : NULL;
+        real[g] = N;
+        if (ok && g % heads == 0) {
+            real[g] = 0;
+            for (int64_t t = 0; t < N; t++) real[g] += ok[t] != 0;
+        } else if (ok) {
+            real[g] = real[g - 1]; /* the same mask row as the head before */
         }
-        /* insertion: most real tokens first, stable */
-        int64_t i = r;
-        for (; i > 0 && real[rows[i - 1]] < real[r]; i--) rows[i] = rows[i - 1];
-        rows[i] = r;
     }
-    int64_t at = 0;
-    for (int64_t i = 0; i < R; i++)
-        for (int64_t g = rows[i] * heads; g < (rows[i] + 1) * heads && g < G; g++) order[at++] = g;
+    int64_t *order = largest_first(real, G);
+    free(real);
     return order;
 }
 

@@ -83,6 +83,9 @@ COUNTS: Dict[str, Count] = {
     "mita_backward": flops_and_elements(
         lambda a: 8.0 * math.prod(grouped_sizes(a)) + 8.0 * a[3].numel() * (a[1].shape[0] // a[3].shape[0]),
         lambda a: a[0].numel()),
+    # MiTA's layer forward before its grouped attention: the landmark pass 4 m N D and the routing
+    # 2 N m D a head (q, k, v [G, N, D], args[5] landmarks; pooling, selection and sort count none)
+    "mita_prepare": flops_and_elements(lambda a: 6.0 * a[0].numel() * a[5], lambda a: a[0].numel()),
     # route_order then sorts the queries by expert (no FLOPs)
     "route_best": ROUTING,
     "route_order": ROUTING,

@@ -168,20 +168,23 @@ def test_landmark_kernels_give_the_same_bits_with_one_or_two_threads() -> None:
 
 @needs_kernel
 def test_mita_selects_the_same_keys_in_selected_keys_and_forward(monkeypatch: pytest.MonkeyPatch) -> None:
-    # selected_keys (the analyses) and the forward select through one function on one kernel
+    # selected_keys (the analyses) selects through mita.top_keys on the selection kernel, the forward
+    # inside lra::mita_prepare with the same kernel code: the same keys, in the same order
     import attentions.backends.mita as mita
+    from attentions.ops.landmark import mita_layer_cpu
 
     attn = build_attention("mita", num_heads=2, head_dim=16, max_len=300, landmarks=8, topk=8)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, 300, 16, generator=gen) for _ in range(3))
     mask = lengths_mask([300, 200], 300)
     seen = []
-    real_top_keys = mita.top_keys
-    monkeypatch.setattr(mita, "top_keys", lambda scores, keys: seen.append(scores) or real_top_keys(scores, keys))
+    real_grouped = mita_layer_cpu.grouped_forward
+    # the grouped attention's key rows: expert g m + j reads rows g N + index[g, j] of [G N, D]
+    monkeypatch.setattr(mita_layer_cpu, "grouped_forward", lambda *a: seen.append(a[5]) or real_grouped(*a))
     index, _ = attn.selected_keys(q, k, mask)
     attn(q, k, v, mask)
-    assert torch.equal(seen[0], seen[1])
-    assert torch.equal(index, real_top_keys(seen[1], 8)[0])
+    heads = torch.arange(4)[:, None, None] * 300
+    assert torch.equal(seen[0].view(4, 8, 8) - heads, index.view(4, 8, 8))
 
 
 @needs_kernel

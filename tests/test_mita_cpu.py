@@ -1,8 +1,10 @@
 """MiTA's default form as one autograd Function on the CPU kernels (attentions/ops/landmark/mita_layer_cpu.py) against
 the composed path of the same kernels and against ``mita.reference``: outputs and q, k, v gradients,
 with padding, rows shorter than the landmark count, a row with one real token, D not a multiple of
-8, N not a multiple of the key block, and a gradient arriving as a strided view. Its backward
-operator, the grouped and landmark backward head by head, against those two operators in turn."""
+8, N not a multiple of the key block, and a gradient arriving as a strided view. Its forward's
+preparation in one call (pooling, landmark pass, selection, routing a head at a time) against the
+separate operators, and its backward operator, the grouped and landmark backward head by head,
+against those two operators in turn."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 import attentions.backends.mita as mita
 from attentions import build_attention
+from attentions.base import AttentionError
 from attentions.ops import tuning
 from attentions.ops.grouped import cpu as grouped_cpu
 from attentions.ops.grouped.reference import expert_runs
@@ -107,6 +110,45 @@ def test_fused_path_takes_a_strided_gradient_and_keeps_other_forms_composed(monk
         other = build_attention("mita", num_heads=2, head_dim=16, max_len=130, landmarks=8, topk=8, **options)
         assert other(q, k, v).shape == q.shape
     assert not calls
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("b, h, n, d, m, keys, lengths, sort", [
+    (2, 2, 1000, 32, 64, 64, [1000, 517], False),  # LRA's settings, a padded row
+    (3, 1, 200, 33, 16, 24, [200, 9, 1], False),    # rows shorter than m, a single real token; odd D
+    (2, 3, 300, 16, 8, 8, None, True),              # no mask; the queries sorted into expert order
+    (1, 2, 4500, 8, 16, 32, [4500], False),         # rows of 4K or more: the selection's filter path
+    (2, 1, 600, 8, 4, 100, [600, 60], True),        # fewer real keys than an expert keeps: padded picks
+])
+def test_one_call_preparation_equals_the_separate_operators(b, h, n, d, m, keys, lengths, sort, threads) -> None:
+    # steps 1-4 of the fused Function: lra::mita_prepare, a head at a time, against the operators it replaces
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(b * h, n, d, generator=gen) for _ in range(3))
+    mask = None if lengths is None else lengths_mask(lengths, n).view(torch.uint8)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        one = mita_layer_cpu.mita_prepare(q, k, v, mask, h, m, keys, sort)
+    finally:
+        torch.set_num_threads(before)
+    separate = mita_layer_cpu.prepare_composed(q, k, v, mask, h, m, keys, sort, mita.top_keys)
+    for name, got, want in zip(mita_layer_cpu.PREPARED, one, separate):
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows, error", [
+    ([[1] * 20, [1] * 5 + [0, 1] + [0] * 13], "right-padded"),
+    ([[0] * 20, [1] * 5 + [0, 1] + [0] * 13], "right-padded"),  # both wrong: the padding is named first
+    ([[1] * 20, [0] * 20], "at least one real token"),
+])
+def test_one_call_preparation_refuses_the_masks_the_operators_refuse(rows, error) -> None:
+    q = torch.randn(4, 20, 8)
+    mask = torch.tensor(rows, dtype=torch.uint8)
+    for prepare in (mita_layer_cpu.mita_prepare, lambda *a: mita_layer_cpu.prepare_composed(*a, mita.top_keys)):
+        with pytest.raises(AttentionError, match=error):
+            prepare(q, q, q, mask, 2, 3, 4, False)
 
 
 def layer_backward_inputs(masked: bool, b: int = 2, h: int = 2, n: int = 70, d: int = 8, m: int = 3, s: int = 5,

@@ -118,6 +118,12 @@ def cases() -> List[Tuple[str, Callable, tuple]]:
     bins = landmark.kernel_bins(None, 2, 20, 2, torch.device("cpu"))[:2]
     out.append(("mita_backward-pooled", mita_layer_cpu.mita_backward,
                 (*layer_backward_inputs(False, b=2, h=1, n=20, m=2, s=3), *bins)))
+    # 2 sequences x 2 heads of 20 tokens, 3 landmarks of 4 keys; the second sequence 13 tokens long
+    mask = (torch.arange(20)[None] < torch.tensor([[20], [13]])).view(torch.uint8)
+    for masked in (False, True):
+        for sort in (False, True):
+            out.append((f"mita_prepare-masked{int(masked)}-sorted{int(sort)}", mita_layer_cpu.mita_prepare,
+                        (randn(4, 20, 8), randn(4, 20, 8), randn(4, 20, 8), mask if masked else None, 2, 3, 4, sort)))
     out.append(("route_best", landmark.route_best_op, (randn(4, 10, 8), randn(4, 3, 8), None)))
     out.append(("route_best-masked", landmark.route_best_op,
                 (randn(4, 10, 8), randn(4, 3, 8), torch.tensor([[1, 0, 1]] * 3 + [[0, 0, 0]], dtype=torch.uint8))))
@@ -169,9 +175,9 @@ def test_every_kernel_entry_is_an_operator_in_one_namespace() -> None:
     names = {c[0].split("-")[0] for c in CASES}
     assert names == {"grouped_forward", "grouped_backward", "merge_parts", "merge_parts_backward", "take_rows",
                      "expert_runs", "pool_bins", "pool_bins_backward", "pool_bins_backward_add", "landmark_forward",
-                     "landmark_backward", "landmark_backward_add", "mita_backward", "route_best", "route_order",
-                     "topk_select", "topk_attention", "mix_rows", "dot_rows", "scatter_outer", "block_gate", "dropout",
-                     "ttt_forward", "ttt_backward"}
+                     "landmark_backward", "landmark_backward_add", "mita_backward", "mita_prepare", "route_best",
+                     "route_order", "topk_select", "topk_attention", "mix_rows", "dot_rows", "scatter_outer",
+                     "block_gate", "dropout", "ttt_forward", "ttt_backward"}
     for name in names:
         assert hasattr(torch.ops.lra, name), name
 
@@ -184,16 +190,18 @@ def test_the_profiler_names_the_operators_of_a_training_step(monkeypatch: pytest
     seen = set()
     # MiTA with two experts a query merges its parts by lra::merge_parts (MoBA's merge is folded into
     # its grouped backward); MiTA's layer gathers its rows by lra::take_rows where it sorts them (long
-    # rows: every row here)
+    # rows: every row here) and prepares its experts in one lra::mita_prepare, or, where the experts
+    # hold every key (topk >= N), by the separate operators (lra::route_order among them)
     monkeypatch.setattr(mita_layer_cpu, "SORTED_ROWS_BYTES", 0)
-    for name, options in (("mita", {"landmarks": 8, "topk": 8}), ("mita", {"landmarks": 8, "topk": 8,
-                                                                            "experts_per_query": 2}),
+    for name, options in (("mita", {"landmarks": 8, "topk": 8}), ("mita", {"landmarks": 8, "topk": 128}),
+                          ("mita", {"landmarks": 8, "topk": 8, "experts_per_query": 2}),
                           ("moba", {"block_size": 16, "topk": 3}), ("topk", {"topk": 8}), ("ttt_mlp", {})):
         attn = build_attention(name, num_heads=2, head_dim=16, max_len=128, **options)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             attn(q, k, v).sum().backward()
         seen |= {e.key for e in prof.key_averages() if e.key.startswith("lra::")}
-    assert {"lra::pool_bins", "lra::landmark_forward", "lra::route_order", "lra::topk_select", "lra::take_rows",
+    assert {"lra::mita_prepare", "lra::pool_bins", "lra::landmark_forward", "lra::route_order", "lra::topk_select",
+            "lra::take_rows",
             "lra::grouped_forward", "lra::grouped_backward", "lra::mita_backward",
             "lra::pool_bins_backward_add", "lra::block_gate", "lra::expert_runs", "lra::merge_parts",
             "lra::merge_parts_backward", "lra::topk_attention", "lra::mix_rows", "lra::dot_rows", "lra::scatter_outer",

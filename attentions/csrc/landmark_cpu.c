@@ -337,6 +337,38 @@ int pool_bins(const Pool *a) {
     return 0;
 }
 
+/* route_order's grouping of the queries by their routes best [G N] (-1: no expert), from each head's
+ * route counts start [G][m + 1] (slot m: no expert; overwritten with each slot's next position):
+ * order, offsets, and inverse and sorted unless NULL (see route_order). */
+static void order_by_expert(const Landmarks *a, const float *q, const int64_t *best, int64_t *start, int64_t *order,
+                            int64_t *offsets, int64_t *inverse, float *sorted) {
+    const int64_t G = a->G, m = a->m, N = a->N, D = a->D;
+    int64_t at = 0;
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t j = 0; j < m; j++) {
+            const int64_t count = start[g * (m + 1) + j];
+            offsets[g * m + j] = start[g * (m + 1) + j] = at;
+            at += count;
+        }
+    offsets[G * m] = at;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t count = start[g * (m + 1) + m];
+        start[g * (m + 1) + m] = at;
+        at += count;
+    }
+    const int64_t threads = a->threads < 1 ? 1 : (a->threads > G ? G : a->threads);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < G; g++) {
+        int64_t *next = start + g * (m + 1);
+        for (int64_t t = 0; t < N; t++) {
+            const int64_t row = g * N + t, slot = best[row] < 0 ? m : best[row], to = next[slot]++;
+            order[to] = row;
+            if (inverse) inverse[row] = to;
+            if (sorted) copy_row(sorted + to * D, q + row * D, D);
+        }
+    }
+}
+
 /* Step 4 with the grouping the grouped kernel takes (attentions/ops/grouped/reference.expert_runs):
  * the best landmark j of each query of head g makes its expert g m + j; the queries sorted by expert,
  * stably (query order within an expert), those of a head with no real landmark after every expert
@@ -349,7 +381,7 @@ int pool_bins(const Pool *a) {
  * then each head's queries placed. best: [G N] scratch. Any thread count gives the same result. */
 int route_order(const Landmarks *a, const float *q, const uint8_t *mark_ok, int64_t *best, int64_t *order,
                 int64_t *offsets, int64_t *inverse, float *sorted) {
-    const int64_t G = a->G, m = a->m, N = a->N, D = a->D;
+    const int64_t G = a->G, m = a->m, N = a->N;
     if (route_best(a, q, mark_ok, best) != 0) return 1;
     /* counts [G][m + 1] (slot m: no expert), then each slot's first position; a padded query's
      * route dropped (-1) in the same pass */
@@ -364,29 +396,7 @@ int route_order(const Landmarks *a, const float *q, const uint8_t *mark_ok, int6
             start[g * (m + 1) + (best[g * N + t] < 0 ? m : best[g * N + t])]++;
         }
     }
-    int64_t at = 0;
-    for (int64_t g = 0; g < G; g++)
-        for (int64_t j = 0; j < m; j++) {
-            const int64_t count = start[g * (m + 1) + j];
-            offsets[g * m + j] = start[g * (m + 1) + j] = at;
-            at += count;
-        }
-    offsets[G * m] = at;
-    for (int64_t g = 0; g < G; g++) {
-        const int64_t count = start[g * (m + 1) + m];
-        start[g * (m + 1) + m] = at;
-        at += count;
-    }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < G; g++) {
-        int64_t *next = start + g * (m + 1);
-        for (int64_t t = 0; t < N; t++) {
-            const int64_t row = g * N + t, slot = best[row] < 0 ? m : best[row], to = next[slot]++;
-            order[to] = row;
-            if (inverse) inverse[row] = to;
-            if (sorted) copy_row(sorted + to * D, q + row * D, D);
-        }
-    }
+    order_by_expert(a, q, best, start, order, offsets, inverse, sorted);
     free(start);
     return 0;
 }

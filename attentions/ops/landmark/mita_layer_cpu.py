@@ -13,24 +13,47 @@ a thread takes a head through both passes while its rows are in the cache, the s
 two operators ``lra::grouped_backward`` and ``lra::landmark_backward_add`` in turn); the pooling
 adds its query gradient into dq, in the same call where dq's rows are in query order (then the
 head's dq rows are still in the cache; as ``lra::pool_bins_backward_add`` after it, the same bits).
+
+The forward prepares the experts (steps 1-4: bins, pooling, landmark pass, top-k selection,
+routing and grouping) in one call, ``lra::mita_prepare``: a thread takes a head through every step,
+so that a landmark's scores are selected while they are in the cache, where four operators over
+every head and about twenty small tensor operations between them each met their inputs in memory
+(``prepare_composed``, the same bits; it runs where an expert holds every key, topk >= N).
 tests/test_mita_cpu.py checks it against the composed path, ``mita.reference`` and the operators.
 """
 
 import ctypes
 import math
+from functools import partial
 from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch.library import custom_op, register_fake
 
+from ... import masking
+from ...base import AttentionError
 from .. import native
 from ..grouped.cpu import Grouped, grouped_block, grouped_forward, take_rows
 from .cpu import (Landmarks, Pool, kernel_bins, landmark_block, landmark_forward, pool_block, pool_bins,
                   pool_bins_backward_add, route_order)
 
 LIBRARY = "mita_layer_cpu"
-SIGNATURES: native.Signatures = {"mita_backward": ([ctypes.POINTER(Grouped), ctypes.POINTER(Landmarks),
-                                                    ctypes.POINTER(Pool), ctypes.c_float], ctypes.c_int)}
+
+
+class Prepare(ctypes.Structure):
+    """The forward preparation's argument block (``Prepare`` in mita_layer_cpu.c, field for field)."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("B", "heads", "m", "N", "D", "keys", "threads")] + [
+        (name, ctypes.c_void_p) for name in ("q", "k", "v", "mask", "starts", "ends", "mark_ok", "marks", "scaled",
+                                             "shared", "scores", "lse", "rows", "key_ok", "order", "offsets",
+                                             "inverse", "sorted")]
+
+
+SIGNATURES: native.Signatures = {
+    "mita_backward": ([ctypes.POINTER(Grouped), ctypes.POINTER(Landmarks), ctypes.POINTER(Pool), ctypes.c_float],
+                      ctypes.c_int),
+    "mita_prepare": ([ctypes.POINTER(Prepare)], ctypes.c_int),
+}
 
 
 def library() -> Optional[ctypes.CDLL]:
@@ -102,6 +125,86 @@ def _(q, keys, values, marks, shared_values, rows, key_ok, shared_ok, order, off
         marks)
 
 
+# mita_prepare's outputs, in order
+PREPARED = ("starts", "ends", "shared_ok", "marks", "scaled", "shared_values", "scores", "landmark_lse", "rows",
+            "expert_ok", "order", "offsets", "inverse", "q_sorted")
+
+
+@custom_op("lra::mita_prepare", mutates_args=(), device_types="cpu")
+def mita_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], heads: int,
+                 landmarks: int, keys: int, sort_rows: bool) -> List[torch.Tensor]:
+    """Steps 1-4 of MiTA's default form on q, k, v [G, N, D] (G = B heads; mask [B, N] uint8, right-padded,
+    or None) in one call, a head at a time (csrc/mita_layer_cpu.c): the tensors of ``PREPARED``, those
+    that ``prepare_composed`` makes with the separate operators, bit for bit. starts, ends [B, m] (long),
+    shared_ok [G, m] (uint8), marks, scaled, shared_values [G, m, D], scores [G, m, N], landmark_lse
+    [G, m], rows [G m, keys] (long), expert_ok [G m, keys] (uint8; [0] without a mask), order [G N],
+    offsets [G m + 1], inverse [G N] (long) and q_sorted [G N, D] ([0] and [0, D] without ``sort_rows``).
+    keys < N."""
+    g, n, d = q.shape
+    b, m = g // heads, landmarks
+    out = dict(starts=q.new_empty(b, m, dtype=torch.long), ends=q.new_empty(b, m, dtype=torch.long),
+               shared_ok=q.new_empty(g, m, dtype=torch.uint8), marks=q.new_empty(g, m, d),
+               scaled=q.new_empty(g, m, d), shared_values=q.new_empty(g, m, d), scores=q.new_empty(g, m, n),
+               landmark_lse=q.new_empty(g, m), rows=q.new_empty(g * m, keys, dtype=torch.long),
+               expert_ok=q.new_empty(0 if mask is None else g * m, keys, dtype=torch.uint8),
+               order=q.new_empty(g * n, dtype=torch.long), offsets=q.new_empty(g * m + 1, dtype=torch.long),
+               inverse=q.new_empty(g * n if sort_rows else 0, dtype=torch.long),
+               q_sorted=q.new_empty(g * n if sort_rows else 0, d))
+    args = Prepare(B=b, heads=heads, m=m, N=n, D=d, keys=keys, threads=torch.get_num_threads(), q=_ptr(q),
+                   k=_ptr(k), v=_ptr(v), mask=_ptr(mask), starts=_ptr(out["starts"]), ends=_ptr(out["ends"]),
+                   mark_ok=_ptr(out["shared_ok"]), marks=_ptr(out["marks"]), scaled=_ptr(out["scaled"]),
+                   shared=_ptr(out["shared_values"]), scores=_ptr(out["scores"]), lse=_ptr(out["landmark_lse"]),
+                   rows=_ptr(out["rows"]), key_ok=_ptr(out["expert_ok"]), order=_ptr(out["order"]),
+                   offsets=_ptr(out["offsets"]), inverse=_ptr(out["inverse"]), sorted=_ptr(out["q_sorted"]))
+    status = library().mita_prepare(ctypes.byref(args))
+    if status == 2:
+        raise AttentionError(masking.RIGHT_PADDED)
+    if status == 3:
+        raise AttentionError(masking.NOT_EMPTY)
+    if status != 0:
+        raise MemoryError("the MiTA layer's CPU kernel could not allocate its per-thread buffers")
+    return [out[name] for name in PREPARED]
+
+
+@register_fake("lra::mita_prepare")
+def _(q, k, v, mask, heads, landmarks, keys, sort_rows):
+    g, n, d = q.shape
+    b, m = g // heads, landmarks
+    rows = g * n if sort_rows else 0
+    return [q.new_empty(b, m, dtype=torch.long), q.new_empty(b, m, dtype=torch.long),
+            q.new_empty(g, m, dtype=torch.uint8), q.new_empty(g, m, d), q.new_empty(g, m, d), q.new_empty(g, m, d),
+            q.new_empty(g, m, n), q.new_empty(g, m), q.new_empty(g * m, keys, dtype=torch.long),
+            q.new_empty(0 if mask is None else g * m, keys, dtype=torch.uint8), q.new_empty(g * n, dtype=torch.long),
+            q.new_empty(g * m + 1, dtype=torch.long), q.new_empty(rows, dtype=torch.long), q.new_empty(rows, d)]
+
+
+def prepare_composed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], heads: int,
+                     landmarks: int, keys: int, sort_rows: bool,
+                     select: Callable[[torch.Tensor, int], Tuple[torch.Tensor, torch.Tensor]]) -> List[torch.Tensor]:
+    """``mita_prepare`` composed of the separate operators and tensor operations (any keys <= N):
+    the readable form, and the one for keys = N; ``select`` is mita.top_keys."""
+    g, n, d = q.shape
+    b, m = g // heads, landmarks
+    mask_bool = None if mask is None else mask.view(torch.bool)
+    # 1. landmarks: bin means of the queries over each sequence's real tokens
+    starts, ends, real_marks = kernel_bins(mask_bool, b, n, m, q.device)  # [B, m] each
+    marks = pool_bins(q, starts, ends, heads)  # [G, m, D]
+    scaled = marks / math.sqrt(d)  # the landmarks as keys: q . L gets 1 / D, L . k gets 1 / sqrt(D)
+    # 2-3. the landmarks' scores against every key and the shared values
+    shared_values, scores, landmark_lse = landmark_forward(scaled, k, v, mask, heads)
+    index, key_ok = select(scores.view(b, heads, m, n), keys)  # [B, H, m, keys] each
+    # (the kernels drop masks that are all True themselves: no host read here)
+    expert_ok = (q.new_empty(0, keys, dtype=torch.uint8) if mask is None
+                 else key_ok.reshape(g * m, keys).contiguous().view(torch.uint8))
+    # 4. each query to its best real landmark (route_order: padded queries to none)
+    real_marks = real_marks.repeat_interleave(heads, dim=0)  # [G, m]
+    order, offsets, inverse, q_sorted = route_order(q, marks, real_marks, sort_rows, mask_bool)
+    # expert g m + j holds key rows index[g, j] of k and v [G N, D]
+    rows = (index.view(g, m * keys) + torch.arange(g, device=q.device)[:, None] * n).view(g * m, keys)
+    return [starts, ends, real_marks.contiguous().view(torch.uint8), marks, scaled, shared_values, scores,
+            landmark_lse, rows, expert_ok, order, offsets, inverse, q_sorted]
+
+
 # the bytes of a head's query rows (N x D floats) from which the layer copies the queries into expert
 # order (see MiTACPU.forward): N = 32K at D = 32; below, the kernels read and write them in query order
 SORTED_ROWS_BYTES = 4 << 20
@@ -123,22 +226,8 @@ class MiTACPU(torch.autograd.Function):
         b, h, n, d = q.shape
         g, m = b * h, landmarks
         scale = 1 / math.sqrt(d)
-        # 1. landmarks: bin means of the queries over each sequence's real tokens
-        starts, ends, real_marks = kernel_bins(mask, b, n, m, q.device)  # [B, m] each
-        marks = pool_bins(q.view(g, n, d), starts, ends, h)  # [G, m, D]
-        scaled = marks / math.sqrt(d)  # the landmarks as keys: q . L gets 1 / D, L . k gets 1 / sqrt(D)
-        # 2-3. the landmarks' scores against every key and the shared values
         mask_bytes = None if mask is None else mask.contiguous().view(torch.uint8)  # [B, N]
-        k_rows, v_rows = k.view(g, n, d), v.view(g, n, d)
-        shared_values, scores, landmark_lse = landmark_forward(scaled, k_rows, v_rows, mask_bytes, h)
-        index, key_ok = select(scores.view(b, h, m, n), keys)  # [B, H, m, keys] each
-        # (the kernels drop masks that are all True themselves: no host read here)
-        expert_ok = None if mask is None else key_ok.reshape(g * m, keys).contiguous().view(torch.uint8)
-        # 4. each query to its best real landmark, as expert g m + j of head g (none: after every run);
-        # a padded query to none, so its output is 0 (the contract's padded rows) and it costs the
-        # grouped attention nothing: a quarter of the pairs in rows of N/2..N real tokens
-        real_marks = real_marks.repeat_interleave(h, dim=0)  # [G, m]
-        # 5. the grouped attention: expert e of head x holds key rows index[e] of k and v [G N, D].
+        q_rows, k_rows, v_rows = q.view(g, n, d), k.view(g, n, d), v.view(g, n, d)
         # Long rows (sorted_rows): the queries copied into expert order, so that the kernel reads q and
         # writes out (and in the backward reads d_out and writes dq) in consecutive rows, 8% less time
         # at 64K than rows scattered over the table (AMD EPYC); out and dq go back to query order by
@@ -147,10 +236,13 @@ class MiTACPU(torch.autograd.Function):
         # three gathers (the layer's forward and backward 7% faster at 1K-2K, batch 8, 2 heads of 32,
         # 4% at 4K-8K; Intel Xeon).
         sort = sorted_rows(n, d)
-        order, offsets, inverse, q_sorted = route_order(q.view(g, n, d), marks, real_marks, sort, mask)  # [G N], ...
-        heads = torch.arange(g, device=q.device)[:, None]  # [G, 1]
-        rows = (index.view(g, m * keys) + heads * n).view(g * m, keys)
-        shared_ok = real_marks.contiguous().view(torch.uint8)
+        # steps 1-4 (pooling, landmark pass, top-k selection, routing; a padded query to no expert, so
+        # its output is 0 and it costs the grouped attention nothing), in one call where it selects
+        prepare = mita_prepare if keys < n else partial(prepare_composed, select=select)
+        (starts, ends, shared_ok, marks, scaled, shared_values, scores, landmark_lse, rows, expert_ok, order, offsets,
+         inverse, q_sorted) = prepare(q_rows, k_rows, v_rows, mask_bytes, h, m, keys, sort)
+        expert_ok = None if mask is None else expert_ok
+        # 5. the grouped attention: expert g m + j of head g holds key rows ``rows`` of k and v [G N, D]
         pairs = (q_sorted, torch.arange(g * n, device=q.device)) if sort else (q.view(g * n, d), order)
         grouped = (pairs[0], k.view(g * n, d), v.view(g * n, d), scaled, shared_values, rows, expert_ok, shared_ok,
                    pairs[1], offsets)

@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 if importlib.util.find_spec("lra") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from attentions import build_attention  # noqa: E402
-from lra.bench.cli import parse_lengths, parser as bench_parser  # noqa: E402
+from lra.bench.cli import MODEL_DEFAULTS, parse_lengths, parser as bench_parser  # noqa: E402
 from lra.bench.measure import measure  # noqa: E402
 from lra.bench.report import fmt_length, fmt_time  # noqa: E402
 from lra.bench.workloads import gemm_modes  # noqa: E402
@@ -247,7 +247,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--attn", default=",".join(BACKENDS), help=f"backends (default {','.join(BACKENDS)})")
     p.add_argument("--lengths", default="1k,4k,16k,64k", help="k = 1024 (default 1k,4k,16k,64k)")
     p.add_argument("--batch", type=int, default=bench.batch, help=f"default {bench.batch}, as lra-bench attention")
-    p.add_argument("--heads", type=int, default=bench.heads, help=f"default {bench.heads}, as lra-bench attention")
+    # lra-bench attention leaves --heads unset and takes the model's default
+    heads = bench.heads or MODEL_DEFAULTS["heads"]
+    p.add_argument("--heads", type=int, default=heads, help=f"default {heads}, as lra-bench attention")
     p.add_argument("--head-dim", type=int, default=bench.head_dim, help=f"default {bench.head_dim}, as lra-bench attention")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)

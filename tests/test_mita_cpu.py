@@ -97,9 +97,11 @@ def test_fused_path_takes_a_strided_gradient_and_keeps_other_forms_composed(monk
     attn = build_attention("mita", num_heads=2, head_dim=16, max_len=130, landmarks=8, topk=8)
     q.requires_grad_()
     out = attn(q, k, v)
-    # a gradient that is a transposed view (the model's heads merge this way)
+    # a gradient that is a transposed view (the model's heads merge this way; read in place), the same
+    # bits as that gradient made contiguous
     grad = torch.randn(1, 130, 2, 16, generator=gen).transpose(1, 2)
-    (dq,) = torch.autograd.grad(out, [q], grad)
+    (dq,) = torch.autograd.grad(out, [q], grad, retain_graph=True)
+    assert torch.equal(dq, torch.autograd.grad(out, [q], grad.contiguous())[0])
     ref_q = q.detach().clone().requires_grad_()
     (ref_dq,) = torch.autograd.grad(mita.reference(ref_q, k, v, landmarks=8, topk=8), [ref_q], grad)
     assert rel_err(dq, ref_dq) < 1e-4
@@ -184,6 +186,21 @@ def layer_backward_inputs(masked: bool, b: int = 2, h: int = 2, n: int = 70, d: 
     d_out = torch.randn(g * n, d, generator=gen)
     return (q, k, v, marks, shared, rows, key_ok, shared_ok, order, offsets, out, lse, probs, d_out, token_ok, scores,
             marks_lse, h, scale)
+
+
+@needs_kernel
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
+def test_layer_backward_reads_the_merged_heads_gradient_in_place(masked) -> None:
+    # d_out in the layout of the model's heads merge, [B, N, H, D], read where it lies: the same bits
+    # as its copy into [G N, D]
+    b, h, n, d = 2, 3, 70, 8
+    args = layer_backward_inputs(masked, b=b, h=h, n=n, d=d)
+    d_out = args[13]
+    merged = d_out.view(b, h, n, d).transpose(1, 2).contiguous()  # [B, N, H, D]
+    plain = mita_backward(*args)
+    in_place = mita_backward(*args[:13], merged, *args[14:], merged_d_out=True)
+    for name, got, want in zip(("dq", "dk", "dv", "d marks"), in_place, plain):
+        assert torch.equal(got, want), name
 
 
 @needs_kernel

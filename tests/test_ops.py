@@ -118,6 +118,10 @@ def cases() -> List[Tuple[str, Callable, tuple]]:
     bins = landmark.kernel_bins(None, 2, 20, 2, torch.device("cpu"))[:2]
     out.append(("mita_backward-pooled", mita_layer_cpu.mita_backward,
                 (*layer_backward_inputs(False, b=2, h=1, n=20, m=2, s=3), *bins)))
+    # d_out in the heads-merged layout [B, N, H, D]: 2 sequences x 2 heads
+    merged = layer_backward_inputs(True, b=2, h=2, n=20, m=2, s=3)
+    merged = (*merged[:13], merged[13].view(2, 2, 20, 8).transpose(1, 2).contiguous(), *merged[14:], None, None, True)
+    out.append(("mita_backward-merged", mita_layer_cpu.mita_backward, merged))
     # 2 sequences x 2 heads of 20 tokens, 3 landmarks of 4 keys; the second sequence 13 tokens long
     mask = (torch.arange(20)[None] < torch.tensor([[20], [13]])).view(torch.uint8)
     for masked in (False, True):

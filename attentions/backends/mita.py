@@ -332,9 +332,9 @@ class MiTAAttention(Attention):
         else:
             expert_k = gather_rows(k.reshape(b * h * n, d), rows)
             expert_v = gather_rows(v.reshape(b * h * n, d), rows)
-        # all-real masks are dropped: by the C kernel's operator itself, here for the PyTorch form on the
-        # CPU (where a check costs nothing, and a graph break under torch.compile beside that form's own);
-        # on CUDA they stay (a check would wait for the device)
+        # all-real masks are dropped for the PyTorch form on the CPU (where a check costs little, and a
+        # graph break under torch.compile beside that form's own); the C kernel takes them as they are
+        # (a mask only sets each key's bias); on CUDA they stay (a check would wait for the device)
         on_cpu = not q.is_cuda and not native
         expert_ok = None if mask is None or (on_cpu and bool(key_ok.all())) else key_ok.view(b * h * m, keys)
         shared = None

@@ -53,6 +53,8 @@ typedef struct {
     float *dq;               /* [P, D] backward */
     float *dkeys, *dvalues;  /* [R, D] backward, zero-filled by the caller */
     float *dskeys, *dsvalues;/* [G, M, D] backward, zero-filled by the caller */
+    int64_t dout_heads;      /* H > 0: dout in the heads-merged layout [B, N, H, D] (see dout_row); 0: [P, D] */
+    int64_t dout_n;          /* N, with dout_heads */
 } Grouped;
 
 static inline int64_t key_row(const Grouped *a, int64_t x, int64_t s) {
@@ -63,6 +65,16 @@ static inline int64_t key_row(const Grouped *a, int64_t x, int64_t s) {
  * query_rows Q (MoBA: a query's parts, one per chosen block, are pairs i, i + Q, ...), else p. */
 static inline int64_t query_row(const Grouped *a, int64_t p) {
     return a->query_rows > 0 ? p % a->query_rows : p;
+}
+
+/* The row of dout that pair p reads without weights: p, or with dout_heads H (pairs a query each, in
+ * query order: pair p is token t = p % N of head g = p / N, head h = g % H of sequence b = g / H)
+ * the row of [B, N, H, D] where the model's heads merge leaves it, (b N + t) H + h, so that the
+ * gradient is read in place instead of copied into [B, H, N, D] first. */
+static inline int64_t dout_row(const Grouped *a, int64_t p) {
+    if (a->dout_heads <= 0) return p;
+    const int64_t H = a->dout_heads, N = a->dout_n, g = p / N, t = p % N;
+    return ((g / H) * N + t) * H + g % H;
 }
 
 /* With weights, pair p's weight in its query's merge, out = sum_e w_e part_e; the merge's backward
@@ -189,7 +201,7 @@ static const float *backward_chunk(const Grouped *a, int64_t t0, int64_t rows, i
             const float w = part_weight(a, pair[c]);
             for (int64_t d = 0; d < D; d++) dout[c * D + d] = w * a->dout[row * D + d];
         } else {
-            copy_row(dout + c * D, a->dout + pair[c] * D, D);
+            copy_row(dout + c * D, a->dout + dout_row(a, pair[c]) * D, D);
         }
         /* the kept softmax rows come from memory (the forward streamed them past the caches):
          * each is fetched AHEAD pairs ahead, a 64-byte line per 16 floats, across experts, and read
@@ -423,9 +435,9 @@ static void offsets_of_pairs(const Grouped *a) {
     const int64_t D = a->D, threads = a->threads < 1 ? 1 : a->threads;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < a->pairs; i++) {
-        const int64_t row = a->weights ? query_row(a, i) : i;
+        const int64_t row = a->weights ? query_row(a, i) : i, grad = a->weights ? row : dout_row(a, i);
         float t = a->dlse && !a->weights ? a->dlse[i] : 0.0f;
-        for (int64_t d = 0; d < D; d++) t -= a->dout[row * D + d] * a->out[row * D + d];
+        for (int64_t d = 0; d < D; d++) t -= a->dout[grad * D + d] * a->out[row * D + d];
         a->offset[i] = a->weights ? part_weight(a, i) * t : t;
     }
 }

@@ -40,7 +40,8 @@ class Grouped(ctypes.Structure):
                                           "query_rows")] + [
         ("scale", _f)] + [(name, ctypes.c_void_p) for name in (
             "q", "order", "offsets", "keys", "values", "rows", "key_ok", "skeys", "svalues", "sok", "out", "lse",
-            "probs", "dout", "dlse", "weights", "offset", "dq", "dkeys", "dvalues", "dskeys", "dsvalues")]
+            "probs", "dout", "dlse", "weights", "offset", "dq", "dkeys", "dvalues", "dskeys", "dsvalues")] + [
+        (name, _i64) for name in ("dout_heads", "dout_n")]
 
 
 class Merge(ctypes.Structure):
@@ -76,11 +77,6 @@ def takes(x: torch.Tensor) -> bool:
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None or t.numel() == 0 else t.data_ptr()
-
-
-def _all_true(ok: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A key mask as the kernel takes it: None (no masking) when every key is real."""
-    return None if ok is None or bool(ok.all()) else ok
 
 
 @custom_op("lra::take_rows", mutates_args=(), device_types="cpu")
@@ -131,16 +127,17 @@ def _call(fn_name: str, args: Grouped) -> None:
 
 def grouped_block(q, keys, values, shared_keys, shared_values, rows, key_ok, shared_ok, order, offsets, group, scale,
                   unit, query_rows) -> Grouped:
-    """The kernel's argument block for these inputs (the outputs' pointers are set by the caller); a
-    key mask that is all True is left out (no masking)."""
+    """The kernel's argument block for these inputs (the outputs' pointers are set by the caller). A key
+    mask only sets each key's logit bias (0 or -inf), as no mask does for every key: one that is all
+    True costs the kernel nothing, and a check of it on the host (a pass over the mask per call) is
+    not made."""
     x, s = rows.shape if rows is not None else keys.shape[:2]
     m = 0 if shared_keys is None else shared_keys.shape[1]
     return Grouped(
         experts=x, S=s, D=q.shape[1], M=m, group=group, unit=unit, threads=torch.get_num_threads(),
         pairs=order.shape[0], query_rows=query_rows, scale=scale,
         q=_ptr(q), order=_ptr(order), offsets=_ptr(offsets), keys=_ptr(keys), values=_ptr(values), rows=_ptr(rows),
-        key_ok=_ptr(_all_true(key_ok)), skeys=_ptr(shared_keys), svalues=_ptr(shared_values),
-        sok=_ptr(_all_true(shared_ok)),
+        key_ok=_ptr(key_ok), skeys=_ptr(shared_keys), svalues=_ptr(shared_values), sok=_ptr(shared_ok),
     )
 
 

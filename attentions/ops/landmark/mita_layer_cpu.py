@@ -76,8 +76,8 @@ def mita_backward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mar
                   shared_ok: Optional[torch.Tensor], order: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, probs: torch.Tensor, d_out: torch.Tensor, token_ok: Optional[torch.Tensor],
                   scores: torch.Tensor, marks_lse: torch.Tensor, heads: int, scale: float,
-                  starts: Optional[torch.Tensor] = None, ends: Optional[torch.Tensor] = None
-                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  starts: Optional[torch.Tensor] = None, ends: Optional[torch.Tensor] = None,
+                  merged_d_out: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward of MiTA's grouped attention and landmark pass, head by head: ``lra::grouped_backward``
     of the first ten arguments (G m experts over the [G N, D] keys and values by ``rows`` [G m, k], each
     expert's rows among its own head's N rows; the pre-scaled landmarks ``marks`` [G, m, D] and
@@ -90,7 +90,9 @@ def mita_backward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mar
     by ``scale``, and each head's pooling backward runs in the same call, after its other passes:
     d marks come back multiplied by ``scale`` (the gradient of the pooled, unscaled landmarks) and
     spread over the bins' rows of dq, as ``pool_bins_backward_add(d_marks * scale, ...)`` would
-    (the same bits)."""
+    (the same bits). ``merged_d_out``: the pairs are the queries in query order and d_out is in the
+    layout the model's heads merge leaves it, [G / heads, N, heads, D] (read in place, as its copy
+    into [G N, D] would be read)."""
     g, m, d = marks.shape
     n = keys.shape[0] // g
     pairs = order.shape[0]
@@ -101,6 +103,8 @@ def mita_backward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mar
                           m, 0)
     pass_.out, pass_.lse, pass_.probs = _ptr(out), _ptr(lse), _ptr(probs)
     pass_.dout, pass_.offset, pass_.dq = _ptr(d_out), _ptr(offset), _ptr(dq)
+    if merged_d_out:
+        pass_.dout_heads, pass_.dout_n = heads, n
     pass_.dkeys, pass_.dvalues, pass_.dskeys, pass_.dsvalues = _ptr(d_keys), _ptr(d_values), _ptr(d_marks), _ptr(
         d_shared)
     marks_pass = landmark_block(marks, keys.view(g, n, d), values.view(g, n, d), token_ok, heads)
@@ -120,7 +124,7 @@ def mita_backward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mar
 
 @register_fake("lra::mita_backward")
 def _(q, keys, values, marks, shared_values, rows, key_ok, shared_ok, order, offsets, out, lse, probs, d_out,
-      token_ok, scores, marks_lse, heads, scale, starts=None, ends=None):
+      token_ok, scores, marks_lse, heads, scale, starts=None, ends=None, merged_d_out=False):
     return q.new_empty(order.shape[0], q.shape[1]), torch.empty_like(keys), torch.empty_like(values), torch.empty_like(
         marks)
 
@@ -193,7 +197,7 @@ def prepare_composed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
     # 2-3. the landmarks' scores against every key and the shared values
     shared_values, scores, landmark_lse = landmark_forward(scaled, k, v, mask, heads)
     index, key_ok = select(scores.view(b, heads, m, n), keys)  # [B, H, m, keys] each
-    # (the kernels drop masks that are all True themselves: no host read here)
+    # (a mask that is all True costs the kernels nothing: no host read of it here)
     expert_ok = (q.new_empty(0, keys, dtype=torch.uint8) if mask is None
                  else key_ok.reshape(g * m, keys).contiguous().view(torch.uint8))
     # 4. each query to its best real landmark (route_order: padded queries to none)
@@ -261,12 +265,18 @@ class MiTACPU(torch.autograd.Function):
         g = b * h
         # the grouped attention's and the landmark pass's gradients: dq [G N, D] in pair order (expert
         # order with sorted rows, else query order), dk, dv [G N, D], d scaled [G, m, D]
-        d_out = d_out.reshape(g * n, d).contiguous()
-        d_out_pairs = take_rows(d_out, order) if ctx.sorted else d_out  # [G N, D]
+        # in query order, a gradient in the layout of the model's heads merge ([B, N, H, D] memory, as
+        # the backward of its transpose(1, 2).reshape leaves it) is read in place, not copied first
+        merged = not ctx.sorted and d_out.transpose(1, 2).is_contiguous()
+        if merged:
+            d_out_pairs = d_out.transpose(1, 2)  # [B, N, H, D]
+        else:
+            d_out = d_out.reshape(g * n, d).contiguous()
+            d_out_pairs = take_rows(d_out, order) if ctx.sorted else d_out  # [G N, D]
         # in query order, the pooling's dq is added by the same call, a head at a time
         bins = (None, None) if ctx.sorted else (starts, ends)
         dq_pairs, dk, dv, d_marks = mita_backward(*grouped, out_pairs, lse, probs, d_out_pairs, mask_bytes, scores,
-                                                  landmark_lse, h, ctx.scale, *bins)
+                                                  landmark_lse, h, ctx.scale, *bins, merged_d_out=merged)
         if ctx.sorted:
             dq = take_rows(dq_pairs, inverse)
             pool_bins_backward_add(d_marks * ctx.scale, starts, ends, h, dq.view(g, n, d))

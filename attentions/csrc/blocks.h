@@ -79,6 +79,15 @@ static inline void copy_row(float *dst, const float *src, int64_t n) {
     for (; d < n; d++) dst[d] = src[d];
 }
 
+/* dst[0..n) = src[0..n) * f in whole vectors (written as a plain loop through a struct's fields, the
+ * compiler reloads the factor after every store and leaves the loop scalar) */
+static inline void scale_row(float *dst, const float *src, float f, int64_t n) {
+    const vf fs = splatv(f);
+    int64_t d = 0;
+    for (; d + VW <= n; d += VW) storev(dst + d, loadv(src + d) * fs);
+    for (; d < n; d++) dst[d] = src[d] * f;
+}
+
 /* max and sum of x[0..n) in VW lanes (a plain float reduction does not vectorise: it fixes the order;
  * the max as a compare and blend of whole vectors: written lane by lane it stayed scalar) */
 static inline float max_of(const float *x, int64_t n) {

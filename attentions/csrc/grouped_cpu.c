@@ -458,15 +458,26 @@ int grouped_forward(const Grouped *a) {
 
 /* offset = d_lse - d_out . out for every pair, in row order (streamed: the pairs' own loop reads
  * them in expert order, where a row of out per pair was one more cache miss); with weights,
- * -w d_out . out of the pair's query (part_weight) */
+ * -w d_out . out of the pair's query (part_weight), its dot made once for all the query's parts.
+ * A query's parts p = e Q + r are taken by query r and part e: two divisions a pair (p % Q, p / Q)
+ * cost as much as the rest of the pass (MoBA's layer 4% at 4K, Intel Xeon). */
 static void offsets_of_pairs(const Grouped *a) {
     const int64_t D = a->D, threads = a->threads < 1 ? 1 : a->threads;
+    const int64_t Q = a->query_rows > 0 ? a->query_rows : a->pairs, parts = Q > 0 ? a->pairs / Q : 0;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < a->pairs; i++) {
-        const int64_t row = a->weights ? query_row(a, i) : i, grad = a->weights ? row : dout_row(a, i);
-        float t = a->dlse && !a->weights ? a->dlse[i] : 0.0f;
-        for (int64_t d = 0; d < D; d++) t -= a->dout[grad * D + d] * a->out[row * D + d];
-        a->offset[i] = a->weights ? part_weight(a, i) * t : t;
+    for (int64_t r = 0; r < Q; r++) {
+        if (a->weights) {
+            float t = 0.0f;
+            for (int64_t d = 0; d < D; d++) t -= a->dout[r * D + d] * a->out[r * D + d];
+            for (int64_t e = 0; e < parts; e++) a->offset[e * Q + r] = a->weights[r * parts + e] * t;
+            continue;
+        }
+        for (int64_t e = 0; e < parts; e++) {
+            const int64_t i = e * Q + r, grad = dout_row(a, i);
+            float t = a->dlse ? a->dlse[i] : 0.0f;
+            for (int64_t d = 0; d < D; d++) t -= a->dout[grad * D + d] * a->out[i * D + d];
+            a->offset[i] = t;
+        }
     }
 }
 

@@ -146,24 +146,20 @@ static float softmax_exps(float *logits, int64_t n, float *total) {
 /* pairs between a kept softmax row's prefetch and its use in the backward */
 #define AHEAD 8
 
-/* The rows that pairs order[from .. to) will read and write, fetched into the cache while the chunk
- * before them computes: q (and the backward's d_out) rows read, out (dq) rows written. A chunk's
- * pairs lie anywhere in those tables (queries in expert order, rows in query order), and loaded on
- * demand each row's first read waited on memory: 15% of the forward chunks' time in MoBA's layer at
- * 4K, 5% in MiTA's at 1K (Intel Xeon, perf). Always inlined: a function of prefetches alone is pure to GCC's
- * interprocedural analysis, and it drops the calls as dead. */
+/* The rows that pairs order[from .. to) will read, fetched into the cache while the chunk before them
+ * computes: q rows, and the backward's d_out rows. A chunk's pairs lie anywhere in those tables
+ * (queries in expert order, rows in query order), and loaded on demand each row's first read waited
+ * on memory: 15% of the forward chunks' time in MoBA's layer at 4K, 5% in MiTA's at 1K (Intel Xeon,
+ * perf). The rows a chunk writes (out, dq) are not fetched: with them the prefetches filled the
+ * cache's miss buffers and stalled, and the layer was 2-5% slower. Always inlined: a function of
+ * prefetches alone is pure to GCC's interprocedural analysis, and it drops the calls as dead. */
 static inline __attribute__((always_inline)) void prefetch_pairs(const Grouped *a, int64_t from, int64_t to, int backward) {
     const int64_t D = a->D;
     for (int64_t t = from; t < to; t++) {
         const int64_t pair = a->order[t], row = query_row(a, pair);
         for (int64_t d = 0; d < D; d += 16) {
             __builtin_prefetch(a->q + row * D + d);
-            if (!backward) {
-                __builtin_prefetch(a->out + pair * D + d, 1);
-                continue;
-            }
-            __builtin_prefetch(a->dout + (a->weights ? row : dout_row(a, pair)) * D + d);
-            __builtin_prefetch(a->dq + pair * D + d, 1);
+            if (backward) __builtin_prefetch(a->dout + (a->weights ? row : dout_row(a, pair)) * D + d);
         }
     }
 }

@@ -146,7 +146,7 @@ def test_op_rates_writes_consistent_rates_at_tiny_sizes(tmp_path: Path, capsys: 
     rate = record["gemm"]["flops_per_s"]
     assert rate > 0 and record["gemm"]["size"] == 64
     ops = {(r["backend"], r["op"]): r for r in record["rows"]}
-    for name in ("lra::grouped_forward", "lra::mita_backward", "lra::landmark_forward", "lra::topk_select"):
+    for name in ("lra::mita_prepare", "lra::grouped_forward", "lra::mita_backward"):
         assert ("mita", name) in ops, sorted(ops)
     assert ("moba", "lra::block_gate") in ops and ("topk", "lra::topk_attention") in ops and ("topk", "lra::mix_rows") in ops
     for row in record["rows"]:
@@ -160,14 +160,15 @@ def test_op_rates_writes_consistent_rates_at_tiny_sizes(tmp_path: Path, capsys: 
         assert f"| {row['backend']} | {row['op']} | 256 | {row['calls']} |" in table
     # by hand: MiTA's grouped forward, each of B H N = 2 x 256 queries over 64 routed + 64 shared keys, 4 D FLOPs a key
     assert ops[("mita", "lra::grouped_forward")]["flops"] == 4.0 * 2 * 256 * (64 + 64) * 16
+    # the preparation: the landmark pass (4 m N D a head: 2 heads, m = 64, N = 256) and the routing (each
+    # of the 2 x 256 queries scored against the 64 landmarks, 2 D FLOPs a score); pooling, selection
+    # and the grouping count none
+    landmark = 4.0 * 2 * 64 * 256 * 16
+    assert ops[("mita", "lra::mita_prepare")]["flops"] == landmark + 2.0 * 2 * 256 * 64 * 16
+    assert ops[("mita", "lra::mita_prepare")]["elements"] == 2 * 256 * 16
     # the layer's backward: the grouped backward (twice the forward) and the landmark pass's (twice its forward)
     assert ops[("mita", "lra::mita_backward")]["flops"] == 2 * (ops[("mita", "lra::grouped_forward")]["flops"]
-                                                              + ops[("mita", "lra::landmark_forward")]["flops"])
-    # routing: each of the 2 x 256 queries scored against the 64 landmarks, 2 D FLOPs a score
-    assert ops[("mita", "lra::route_order")]["flops"] == 2.0 * 2 * 256 * 64 * 16
-    # selection counts no FLOPs: MiTA's picks 64 of N keys for each of H x 64 landmarks, reading H 64 N scores
-    assert ops[("mita", "lra::topk_select")]["flops"] is None
-    assert ops[("mita", "lra::topk_select")]["elements"] == 2 * 64 * 256
+                                                              + landmark)
 
 
 def test_lra_bench_share_of_the_ceiling_is_per_sequence() -> None:

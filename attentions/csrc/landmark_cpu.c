@@ -337,6 +337,17 @@ int pool_bins(const Pool *a) {
     return 0;
 }
 
+/* Head g's routes in best [G N] counted by slot into counts [m + 1] (slot m: no expert), a padded
+ * query's route (key_ok) dropped to -1 first. */
+static void count_routes(const Landmarks *a, int64_t g, int64_t *best, int64_t *counts) {
+    const int64_t m = a->m, N = a->N;
+    const uint8_t *ok = a->key_ok ? a->key_ok + (g / a->heads) * N : NULL;
+    for (int64_t t = 0; t < N; t++) {
+        if (ok && !ok[t]) best[g * N + t] = -1;
+        counts[best[g * N + t] < 0 ? m : best[g * N + t]]++;
+    }
+}
+
 /* route_order's grouping of the queries by their routes best [G N] (-1: no expert), from each head's
  * route counts start [G][m + 1] (slot m: no expert; overwritten with each slot's next position):
  * order, offsets, and inverse and sorted unless NULL (see route_order). */
@@ -381,7 +392,7 @@ static void order_by_expert(const Landmarks *a, const float *q, const int64_t *b
  * then each head's queries placed. best: [G N] scratch. Any thread count gives the same result. */
 int route_order(const Landmarks *a, const float *q, const uint8_t *mark_ok, int64_t *best, int64_t *order,
                 int64_t *offsets, int64_t *inverse, float *sorted) {
-    const int64_t G = a->G, m = a->m, N = a->N;
+    const int64_t G = a->G, m = a->m;
     if (route_best(a, q, mark_ok, best) != 0) return 1;
     /* counts [G][m + 1] (slot m: no expert), then each slot's first position; a padded query's
      * route dropped (-1) in the same pass */
@@ -389,13 +400,7 @@ int route_order(const Landmarks *a, const float *q, const uint8_t *mark_ok, int6
     if (!start) return 1;
     const int64_t threads = a->threads < 1 ? 1 : (a->threads > G ? G : a->threads);
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < G; g++) {
-        const uint8_t *ok = a->key_ok ? a->key_ok + (g / a->heads) * N : NULL;
-        for (int64_t t = 0; t < N; t++) {
-            if (ok && !ok[t]) best[g * N + t] = -1;
-            start[g * (m + 1) + (best[g * N + t] < 0 ? m : best[g * N + t])]++;
-        }
-    }
+    for (int64_t g = 0; g < G; g++) count_routes(a, g, best, start + g * (m + 1));
     order_by_expert(a, q, best, start, order, offsets, inverse, sorted);
     free(start);
     return 0;

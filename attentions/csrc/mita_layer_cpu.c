@@ -144,11 +144,7 @@ static void prepare_head(const Prepare *a, const Pool *pool, const Landmarks *sc
         }
     }
     route_head(route_pass, a->q, a->mark_ok, g, best, buf);
-    const uint8_t *ok = a->mask ? a->mask + (g / a->heads) * N : NULL;
-    for (int64_t t = 0; t < N; t++) {
-        if (ok && !ok[t]) best[g * N + t] = -1;
-        counts[best[g * N + t] < 0 ? m : best[g * N + t]]++;
-    }
+    count_routes(route_pass, g, best, counts);
 }
 
 /* Every head's steps 1-4 (prepare_head), the threads taking heads largest first (heads_by_size);

@@ -32,6 +32,20 @@ def test_keep_rate_and_scale_are_torchs(p: float) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("n", [1, 7, 17, 16383, 16385, 40001])
+@pytest.mark.parametrize("seed", [0, 12345, 2**40 + 7, 2**63 - 25])
+def test_mask_is_the_reference_hash(n: int, seed: int) -> None:
+    # the kernel's mask, element by element, is the hash of dropout.reference_keep (whatever the vector
+    # width, the threads' blocks or a tail shorter than a vector); kept elements scaled by 1 / (1 - p)
+    x = torch.rand(n, generator=torch.Generator().manual_seed(n)) + 0.5  # no zeros of its own
+    for p in (0.1, 0.5):
+        y = lra_dropout.dropout_op(x, p, torch.tensor(seed))
+        keep = lra_dropout.reference_keep(n, p, seed)
+        assert torch.equal(y != 0, keep)
+        assert torch.equal(y[keep], x[keep] * torch.tensor(1.0 / (1.0 - p), dtype=torch.float32))
+
+
+@needs_kernel
 def test_no_pattern_between_neighbours_positions_or_calls() -> None:
     torch.manual_seed(0)
     x = torch.ones(4, 512, 64)

@@ -8,15 +8,18 @@
  * element from a Mersenne twister, and at LRA's sizes that took a fifth of a training step.
  *
  * The hash is two rounds of a 32-bit multiply-xorshift mixer (Wellons' "lowbias32" constants) over
- * a Weyl sequence of the index, eight lanes at a time.
+ * a Weyl sequence of the index, a vector of lanes at a time (vec.h's width). The hash, not the
+ * memory, sets the kernel's pace (2-4x a plain multiply at LRA's sizes), so each multiply saved and
+ * each lane added counts.
  */
 #include <stdint.h>
 
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x8u __attribute__((vector_size(32), aligned(4)));
+#include "vec.h"
 
-static inline u32x8 mix(u32x8 h) {
+/* VW lanes of 32-bit words (vec.h's width: 16 with AVX-512, else 8) */
+typedef uint32_t vu __attribute__((vector_size(4 * VW)));
+
+static inline vu mix(vu h) {
     h ^= h >> 16;
     h *= 0x7feb352du;
     h ^= h >> 15;
@@ -25,26 +28,33 @@ static inline u32x8 mix(u32x8 h) {
     return h;
 }
 
-/* the 32 random bits of elements i .. i + 7 (i a multiple of 8: they share their high word) */
-static inline u32x8 bits_of(int64_t i, uint32_t s0, uint32_t s1) {
-    const u32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
-    const u32x8 low = lane + (uint32_t)i;
-    return mix(mix(low * 0x9e3779b9u ^ s0) ^ (s1 + (uint32_t)((uint64_t)i >> 32)));
+#define WEYL 0x9e3779b9u
+
+/* The 32 random bits of elements i .. i + VW - 1 (i a multiple of VW: they share their high word),
+ * given weyl = their low words times WEYL (mod 2^32). */
+static inline vu bits_of(vu weyl, int64_t i, uint32_t s0, uint32_t s1) {
+    return mix(mix(weyl ^ s0) ^ (s1 + (uint32_t)((uint64_t)i >> 32)));
 }
 
-/* Elements [first, last) of x into out; first is a multiple of 8. */
+/* Elements [first, last) of x into out; first is a multiple of VW. Each element's bits depend on its
+ * index alone, so every vector width gives the same mask. The Weyl sequence advances by an addition
+ * (VW WEYL mod 2^32 a vector), the same words as the multiplication of each index and one multiply
+ * fewer of five a vector. */
 static void apply_range(const float *x, float *out, int64_t first, int64_t last, uint32_t s0, uint32_t s1,
                         uint32_t threshold, float scale) {
-    const f32x8 scales = {scale, scale, scale, scale, scale, scale, scale, scale};
+    vu weyl;
+    for (int l = 0; l < VW; l++) weyl[l] = ((uint32_t)first + (uint32_t)l) * WEYL;
+    const uint32_t step = (uint32_t)VW * WEYL;
+    const vf scales = splatv(scale);
     int64_t i = first;
-    for (; i + 8 <= last; i += 8) {
+    for (; i + VW <= last; i += VW, weyl += step) {
         /* lanes compare to all-ones (kept) or zero: the factor is scale or 0 (x times 0, as torch
          * multiplies by its mask, so a NaN stays NaN) */
-        const u32x8 keep = (u32x8)(bits_of(i, s0, s1) >= threshold);
-        *(f32x8u *)(out + i) = *(const f32x8u *)(x + i) * (f32x8)((u32x8)scales & keep);
+        const vfi keep = (vfi)(bits_of(weyl, i, s0, s1) >= threshold);
+        storev(out + i, loadv(x + i) * (vf)((vfi)scales & keep));
     }
     if (i < last) {
-        const u32x8 h = bits_of(i, s0, s1);
+        const vu h = bits_of(weyl, i, s0, s1);
         for (int64_t j = 0; i + j < last; j++) out[i + j] = x[i + j] * (h[j] >= threshold ? scale : 0.0f);
     }
 }

@@ -70,6 +70,26 @@ def _grad(ctx, grad: torch.Tensor):
 register_autograd("lra::dropout", _grad, setup_context=_setup)
 
 
+def reference_keep(n: int, p: float, seed: int) -> torch.Tensor:
+    """The kernel's mask of n elements, computed plainly (int64 tensors, each 32-bit operation masked):
+    element i is kept when mix(mix(lo(i) * W ^ s0) ^ (s1 + hi(i))) >= p 2^32, mix the "lowbias32"
+    multiply-xorshift round, W the Weyl constant, s0, s1 the seed's two 32-bit words. [n] bool."""
+    word = 0xFFFFFFFF
+
+    def mix(h: torch.Tensor) -> torch.Tensor:
+        h = h ^ (h >> 16)
+        h = (h * 0x7FEB352D) & word  # a product past 2^63 wraps in int64; its low 32 bits stay right
+        h = h ^ (h >> 15)
+        h = (h * 0x846CA68B) & word
+        return h ^ (h >> 16)
+
+    index = torch.arange(n, dtype=torch.int64)
+    s0, s1 = seed & word, (seed >> 32) & word
+    weyl = ((index & word) * 0x9E3779B9) & word
+    bits = mix(mix(weyl ^ s0) ^ ((s1 + (index >> 32)) & word))
+    return bits >= min(int(round(p * 2.0**32)), 2**32 - 1)
+
+
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     """F.dropout(x, p, training), on the kernel where it takes the call."""
     if not training or p == 0.0:

@@ -60,6 +60,22 @@ def test_no_pattern_between_neighbours_positions_or_calls() -> None:
 
 
 @needs_kernel
+def test_the_eager_function_is_the_operator() -> None:
+    # eager calls take the kernel through DropoutFunction, torch.compile through lra::dropout: the same
+    # mask and gradient for the same seed
+    x = torch.randn(3, 100, 64)
+    grad = torch.randn(3, 100, 64)
+    results = []
+    for call in (lambda t: lra_dropout.DropoutFunction.apply(t, 0.2, 987654321),
+                 lambda t: lra_dropout.dropout_op(t, 0.2, torch.tensor(987654321))):
+        t = x.clone().requires_grad_()
+        y = call(t)
+        y.backward(grad)
+        results.append((y.detach(), t.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@needs_kernel
 def test_gradient_takes_the_forwards_mask() -> None:
     torch.manual_seed(0)
     x = torch.randn(2, 300, 64, requires_grad=True)

@@ -160,8 +160,7 @@ def typed(name: str, signatures: Signatures) -> Optional[ctypes.CDLL]:
 
 
 def vector_width(name: str) -> Optional[int]:
-    """Floats per vector in the library of ``<name>.c`` (16 or 8), or None when it is not built here or
-    has no vectors (the dropout kernel)."""
+    """Floats per vector in the library of ``<name>.c`` (16 or 8), or None when it is not built here."""
     lib = load(name)
     if lib is None or not hasattr(lib, "lra_vector_width"):
         return None

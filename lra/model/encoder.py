@@ -6,7 +6,8 @@ projections live here, once, so every backend gets the same parameters around it
 the dual head: both documents are encoded by the same encoder and combined as [u, v, u*v, u-v]
 (``model.head=lra``: as [u, v], through the LRA JAX code's two-hidden-layer classifier_head_dual).
 The padding mask comes from each row's length, never from token ids (pixel 0 is real data).
-Dropout on the CPU runs on a compiled kernel (lra/model/dropout.py): torch's took a fifth of a step.
+Dropout and layer norm on the CPU run on compiled kernels (lra/model/dropout.py, layer_norm.py):
+torch's dropout took a fifth of a step, its layer norm 4-5 times one pass over the rows.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from attentions import build_attention
 
 from ..config import ModelConfig
 from .dropout import Dropout
+from .layer_norm import LayerNorm
 from .heads import split_heads
 
 
@@ -36,7 +38,7 @@ class Block(nn.Module):
         self.gate = cfg.gate
         # the attention width W (model.qkv_dim; 0 = the model's width)
         self.width = cfg.qkv_dim or cfg.dim
-        self.norm1 = nn.LayerNorm(cfg.dim)
+        self.norm1 = LayerNorm(cfg.dim)
         # [q | k | v] or, gated, [q | k | v | g], each W wide
         self.qkv = nn.Linear(cfg.dim, (4 if cfg.gate else 3) * self.width)
         self.attn = build_attention(
@@ -44,7 +46,7 @@ class Block(nn.Module):
         )
         self.proj = nn.Linear(self.width, cfg.dim)
         self.drop = Dropout(cfg.dropout)
-        self.norm2 = nn.LayerNorm(cfg.dim)
+        self.norm2 = LayerNorm(cfg.dim)
         self.ffn = nn.Sequential(
             nn.Linear(cfg.dim, cfg.ffn_dim),
             nn.GELU(),
@@ -92,7 +94,7 @@ class Encoder(nn.Module):
         self.cls = nn.Parameter(torch.zeros(1, 1, cfg.dim)) if cfg.pooling == "cls" else None
         self.drop = Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, attn, attn_options, seq_len) for _ in range(cfg.num_layers))
-        self.norm = nn.LayerNorm(cfg.dim)
+        self.norm = LayerNorm(cfg.dim)
 
     def forward(self, tokens: torch.Tensor, lengths: Optional[torch.Tensor]) -> torch.Tensor:
         x = self.tokens(tokens.long())  # [B, L, C]

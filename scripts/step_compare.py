@@ -2,9 +2,9 @@
 
 The encoder of the LRA paper protocol (2 layers, width 64, 2 heads, FFN 128, dropout 0.1), padded
 batches (row lengths drawn from N/2..N, the first row N, with the padding mask), one step = forward,
-cross-entropy, backward, AdamW. The backends' steps are interleaved (one of each per round), so a
-change of machine load hits them alike; the median of the rounds is reported with full's median
-divided by each backend's. Full and ``none`` (the model without attention: out = v, what the rest
+cross-entropy, backward, AdamW (the trainer's, fused where torch has it). The backends' steps are
+interleaved (one of each per round), so a change of machine load hits them alike; the median of the
+rounds is reported with full's median divided by each backend's. Full and ``none`` (the model without attention: out = v, what the rest
 of the step costs) are timed in every round, named or not: full / none is the ceiling, the largest
 ratio any backend can reach, and each backend's share of it, (t_full - t_backend) / (t_full - t_none),
 is the fraction of the attention's time the backend removes (100% = as fast as no attention). Unlike
@@ -38,6 +38,7 @@ from lra.machine.allocator import keep_all_freed_memory, setting_now  # noqa: E4
 from lra.config import ModelConfig  # noqa: E402
 from lra.machine import describe, git_commit, hardware  # noqa: E402
 from lra.model import LRAModel  # noqa: E402
+from lra.run.setup import adamw  # noqa: E402
 
 VOCAB, CLASSES = 20, 10
 FULL, NONE = "full", "none"
@@ -57,7 +58,7 @@ def make_step(backend: str, n: int, batch: int, seed: int, compiler: str = "indu
     torch.manual_seed(seed)
     cfg = ModelConfig(num_layers=2, dim=64, num_heads=2, ffn_dim=128, dropout=0.1)
     model = LRAModel(cfg, backend, {}, vocab_size=VOCAB, num_classes=CLASSES, max_len=n)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = adamw(model.parameters(), lr=1e-4)  # the trainer's AdamW
     forward = torch.compile(model, backend=compiler) if compiled else model
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (batch, n), generator=gen)  # [B, N]

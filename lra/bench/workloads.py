@@ -101,10 +101,11 @@ def build_model(spec: Dict[str, Any], device: torch.device) -> LRAModel:
 def make_optimizer(model: LRAModel, spec: Dict[str, Any]) -> Tuple[torch.optim.Optimizer, float]:
     """The point's optimizer and gradient-clipping norm (0 = none): the trainer's, from the task
     configuration's ``train`` values, or AdamW at lr 1e-4 without clipping."""
+    from ..run.setup import adamw, make_optimizer as trainer_optimizer
+
     if not spec.get("train"):
-        return torch.optim.AdamW(model.parameters(), lr=1e-4), 0.0
+        return adamw(model.parameters(), lr=1e-4), 0.0
     from ..config import RunConfig, TrainConfig
-    from ..run.setup import make_optimizer as trainer_optimizer
 
     cfg = RunConfig(train=TrainConfig(**spec["train"]))
     return trainer_optimizer(model, cfg), cfg.train.grad_clip

@@ -40,7 +40,7 @@ def libraries() -> list:
 def test_every_kernel_library_is_listed() -> None:
     names = {path.stem for path in libraries()}
     assert {"grouped_cpu", "landmark_cpu", "mita_layer_cpu", "block_gate", "topk_select", "topk_attention",
-            "sparse_rows", "dropout_cpu", "layer_norm_cpu", "ttt_cpu"} <= names
+            "sparse_rows", "dropout_cpu", "layer_norm_cpu", "gelu_dropout_cpu", "ttt_cpu"} <= names
 
 
 @needs_cross

@@ -18,7 +18,8 @@ from attentions.ops import native
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_TESTS = ["tests/test_cpu_kernels.py", "tests/test_ops.py", "tests/test_landmark_cpu.py",
                 "tests/test_grouped.py", "tests/test_block_gate.py", "tests/test_mita_cpu.py",
-                "tests/test_topk_moba.py", "tests/test_ttt_cpu.py", "tests/test_dropout.py", "tests/test_layer_norm.py"]
+                "tests/test_topk_moba.py", "tests/test_ttt_cpu.py", "tests/test_dropout.py", "tests/test_layer_norm.py",
+                "tests/test_gelu_dropout.py"]
 needs_kernels = pytest.mark.skipif(native.load("grouped_cpu") is None, reason="the C kernels do not build here")
 
 
@@ -44,7 +45,7 @@ def test_the_built_width_follows_the_machine() -> None:
         assert native.vector_width("grouped_cpu") == (16 if has_avx512() else 8)
     assert {native.vector_width(name) for name in ("landmark_cpu", "mita_layer_cpu", "sparse_rows", "block_gate",
                                                    "topk_select", "topk_attention", "ttt_cpu", "dropout_cpu",
-                                                   "layer_norm_cpu")} == {
+                                                   "layer_norm_cpu", "gelu_dropout_cpu")} == {
         native.vector_width("grouped_cpu")}
 
 

@@ -42,7 +42,7 @@ def operator_modules() -> dict:
 def test_the_operator_modules_are_found() -> None:
     found = set(operator_modules())
     assert {"attentions/ops/grouped/cpu.py", "attentions/ops/landmark/mita_layer_cpu.py",
-            "lra/model/dropout.py", "lra/model/layer_norm.py"} <= found
+            "lra/model/dropout.py", "lra/model/layer_norm.py", "lra/model/gelu_dropout.py"} <= found
 
 
 def test_no_operator_module_postpones_its_annotations() -> None:

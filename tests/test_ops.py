@@ -17,7 +17,7 @@ from attentions.ops.row_products import cpu as rows
 from attentions.ops.topk_attention import cpu as topk_attention
 from attentions.ops.topk_selection import cpu as selection
 from attentions.ops.ttt import cpu as ttt
-from lra.model import dropout, layer_norm
+from lra.model import dropout, gelu_dropout, layer_norm
 from test_mita_cpu import layer_backward_inputs
 
 needs_kernels = pytest.mark.skipif(not grouped.takes(torch.zeros(0)), reason="the C kernels do not build here")
@@ -149,6 +149,9 @@ def cases() -> List[Tuple[str, Callable, tuple]]:
         out.append((f"block_gate-own{int(own)}", gate.block_gate, (randn(2, 2, 13, 8), randn(2, 2, 4, 8), empty, 4,
                                                                    2, own)))
     out.append(("dropout", dropout.dropout_op, (randn(4, 16, grad=True), 0.3, torch.tensor(12345))))
+    out.append(("gelu_dropout", gelu_dropout.gelu_dropout_op, (randn(4, 16, grad=True), 0.3, torch.tensor(12345))))
+    out.append(("gelu_dropout_backward", gelu_dropout.gelu_dropout_backward,
+                (randn(4, 16), randn(4, 16), 0.3, torch.tensor(12345))))
     x, weight, bias = randn(3, 5, 20, grad=True), randn(20, grad=True), randn(20, grad=True)
     out.append(("layer_norm", layer_norm.layer_norm_op, (x, weight, bias, 1e-5)))
     _, mean, rstd = layer_norm.layer_norm_op(x.detach(), weight.detach(), bias.detach(), 1e-5)
@@ -186,7 +189,7 @@ def test_every_kernel_entry_is_an_operator_in_one_namespace() -> None:
                      "expert_runs", "pool_bins", "pool_bins_backward", "pool_bins_backward_add", "landmark_forward",
                      "landmark_backward", "landmark_backward_add", "mita_backward", "mita_prepare", "route_best",
                      "route_order", "topk_select", "topk_attention", "mix_rows", "dot_rows", "scatter_outer",
-                     "block_gate", "dropout", "layer_norm", "layer_norm_backward", "ttt_forward", "ttt_backward"}
+                     "block_gate", "dropout", "gelu_dropout", "gelu_dropout_backward", "layer_norm", "layer_norm_backward", "ttt_forward", "ttt_backward"}
     for name in names:
         assert hasattr(torch.ops.lra, name), name
 

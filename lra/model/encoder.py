@@ -6,8 +6,9 @@ projections live here, once, so every backend gets the same parameters around it
 the dual head: both documents are encoded by the same encoder and combined as [u, v, u*v, u-v]
 (``model.head=lra``: as [u, v], through the LRA JAX code's two-hidden-layer classifier_head_dual).
 The padding mask comes from each row's length, never from token ids (pixel 0 is real data).
-Dropout and layer norm on the CPU run on compiled kernels (lra/model/dropout.py, layer_norm.py):
-torch's dropout took a fifth of a step, its layer norm 4-5 times one pass over the rows.
+Dropout, layer norm and the FFN's GELU with its dropout run on compiled kernels on the CPU
+(lra/model/dropout.py, layer_norm.py, gelu_dropout.py): torch's dropout took a fifth of a step, its
+layer norm 4-5 times one pass over the rows.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from attentions import build_attention
 
 from ..config import ModelConfig
 from .dropout import Dropout
+from .gelu_dropout import gelu_dropout
 from .layer_norm import LayerNorm
 from .heads import split_heads
 
@@ -66,7 +68,10 @@ class Block(nn.Module):
             # position-wise: a padded position's g reaches no other position
             mixed = mixed * F.silu(views[..., 3 * w:])
         x = x + self.drop(self.proj(mixed))
-        return x + self.ffn(self.norm2(x))
+        # self.ffn's steps, its GELU and the dropout after it in one pass (gelu_dropout: one kernel on
+        # the CPU, the same draws and mask as the two modules)
+        first, _, drop, second, last_drop = self.ffn
+        return x + last_drop(second(gelu_dropout(first(self.norm2(x)), drop.p, drop.training)))
 
 
 class Encoder(nn.Module):

@@ -146,6 +146,19 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
 
 
+def same_both_ways(first: Callable[[torch.Tensor], torch.Tensor], second: Callable[[torch.Tensor], torch.Tensor],
+                   x: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether two calls on x (a kernel's eager Function and its operator) give the same output and the
+    same gradient for ``grad``, bit for bit."""
+    results = []
+    for call in (first, second):
+        t = x.clone().requires_grad_()
+        y = call(t)
+        y.backward(grad)
+        results.append((y.detach(), t.grad))
+    return torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 def lengths_mask(lengths: list, n: int) -> torch.Tensor:
     """[B, N] bool, True for the first lengths[b] positions of row b."""
     return torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from attentions.ops import native
+from conftest import same_both_ways
 from lra.model import dropout as lra_dropout
 from lra.config import ModelConfig
 from lra.model.dropout import Dropout, dropout
@@ -65,14 +66,8 @@ def test_the_eager_function_is_the_operator() -> None:
     # mask and gradient for the same seed
     x = torch.randn(3, 100, 64)
     grad = torch.randn(3, 100, 64)
-    results = []
-    for call in (lambda t: lra_dropout.DropoutFunction.apply(t, 0.2, 987654321),
-                 lambda t: lra_dropout.dropout_op(t, 0.2, torch.tensor(987654321))):
-        t = x.clone().requires_grad_()
-        y = call(t)
-        y.backward(grad)
-        results.append((y.detach(), t.grad))
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert same_both_ways(lambda t: lra_dropout.DropoutFunction.apply(t, 0.2, 987654321),
+                          lambda t: lra_dropout.dropout_op(t, 0.2, torch.tensor(987654321)), x, grad)
 
 
 @needs_kernel

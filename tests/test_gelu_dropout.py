@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from attentions.ops import native
+from conftest import same_both_ways
 from lra.config import ModelConfig
 from lra.model import LRAModel
 from lra.model import gelu_dropout as fused
@@ -66,14 +67,8 @@ def test_the_same_draws_and_mask_as_the_two_modules() -> None:
 def test_the_eager_function_is_the_operator() -> None:
     gen = torch.Generator().manual_seed(2)
     x, grad = torch.randn(3, 50, 64, generator=gen), torch.randn(3, 50, 64, generator=gen)
-    results = []
-    for call in (lambda t: fused.GELUDropoutFunction.apply(t, 0.1, 4242),
-                 lambda t: fused.gelu_dropout_op(t, 0.1, torch.tensor(4242))):
-        t = x.clone().requires_grad_()
-        y = call(t)
-        y.backward(grad)
-        results.append((y.detach(), t.grad))
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert same_both_ways(lambda t: fused.GELUDropoutFunction.apply(t, 0.1, 4242),
+                          lambda t: fused.gelu_dropout_op(t, 0.1, torch.tensor(4242)), x, grad)
 
 
 def test_torchs_gelu_and_the_dropout_where_the_kernel_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:

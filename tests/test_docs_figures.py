@@ -91,8 +91,17 @@ def test_the_readme_listops_table_is_the_committed_records() -> None:
 
 def test_the_quoted_seeds_and_cpu_preset_time_are_the_committed_records() -> None:
     readme, running = (ROOT / "README.md").read_text(), (ROOT / "docs" / "running.md").read_text()
-    seeds = ", ".join(f"{100 * r['test_acc']:.2f}" for r in cpu_records("full"))
-    assert f"seeds 0-4 ended at **{seeds}, " in " ".join(readme.split())
+    flat = " ".join(readme.split())
+    # this version's seeds 0-4 (results/repeatability/), then the committed AMD records' 0-2
+    folder = ROOT / "results" / "repeatability" / "listops-full-cpu-intel-xeon-2c"
+    commits = {p.parent.parent.name for p in folder.glob("*/seed4/record.json")}
+    assert len(commits) == 1, commits
+    commit = commits.pop()
+    current = [json.loads((folder / commit / f"seed{s}" / "record.json").read_text()) for s in range(5)]
+    seeds = ", ".join(f"{100 * r['test_acc']:.2f}" for r in current)
+    assert f"seeds 0-4 end at **{seeds}%** test with this version" in flat
+    committed = ", ".join(f"{100 * r['test_acc']:.2f}" for r in cpu_records("full"))
+    assert f"AMD, an earlier version: {committed}%" in flat
     minutes = [r["train_time_s"] / 60 for b in BACKENDS for r in cpu_records(b)]
     span = f"{round(min(minutes))}-{round(max(minutes))} min of training on one core"
     assert span in readme and span in running, f"README.md and docs/running.md should say: {span}"

@@ -4,12 +4,13 @@ The encoder of the LRA paper protocol (2 layers, width 64, 2 heads, FFN 128, dro
 batches (row lengths drawn from N/2..N, the first row N, with the padding mask), one step = forward,
 cross-entropy, backward, AdamW (the trainer's, fused where torch has it). The backends' steps are
 interleaved (one of each per round), so a change of machine load hits them alike; the median of the
-rounds is reported with full's median divided by each backend's. Full and ``none`` (the model without attention: out = v, what the rest
-of the step costs) are timed in every round, named or not: full / none is the ceiling, the largest
-ratio any backend can reach, and each backend's share of it, (t_full - t_backend) / (t_full - t_none),
-is the fraction of the attention's time the backend removes (100% = as fast as no attention). Unlike
-``lra-bench model --preset lra`` (a process per point, records and tables), this is the quick A/B
-tool: point PYTHONPATH at another checkout to time its code.
+rounds is reported with full's median divided by each backend's. Full and ``none`` (the model
+without attention: out = v, what the rest of the step costs) are timed in every round, named or
+not: full / none is the ceiling, the largest ratio any backend can reach, and each backend's share
+of it, (t_full - t_backend) / (t_full - t_none), is the fraction of the attention's time the
+backend removes (100% = as fast as no attention). Unlike ``lra-bench model --preset lra`` (a
+process per point, records and tables), this is the quick A/B tool: point PYTHONPATH at another
+checkout to time its code.
 
     python scripts/step_compare.py --attn full,mita,moba,topk --lengths 1024,2048,4096 --batch 8 --json step.json
 

@@ -20,24 +20,14 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "vec.h"
+#include "blocks.h"
 
 /* rows per block of the backward's dgamma and dbeta sums */
 #define BLOCK 256
 
-/* sum_j x_j of a row, in whole vectors and the tail */
-static inline float row_sum(const float *x, int64_t C) {
-    vf lanes = splatv(0.0f);
-    int64_t j = 0;
-    for (; j + VW <= C; j += VW) lanes += loadv(x + j);
-    float total = sumv(lanes);
-    for (; j < C; j++) total += x[j];
-    return total;
-}
-
 static void forward_row(const float *x, const float *gamma, const float *beta, float *y, float *mean, float *rstd,
                         int64_t C, float eps) {
-    const float mu = row_sum(x, C) / (float)C;
+    const float mu = sum_of(x, C) / (float)C;
     vf lanes = splatv(0.0f);
     int64_t j = 0;
     for (; j + VW <= C; j += VW) {

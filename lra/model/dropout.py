@@ -40,12 +40,21 @@ def fits(x: torch.Tensor, p: float) -> bool:
     return 0.0 < p < 1.0 and not native.refusals(x, LIBRARY)
 
 
+def threshold(p: float) -> int:
+    """The hash value below which an element is dropped with probability p: p 2^32 (0: none)."""
+    return min(int(round(p * 2.0**32)), 2**32 - 1)
+
+
+def draw_seed() -> torch.Tensor:
+    """A call's mask seed, a 0-dim int64 tensor from torch's default generator."""
+    return torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
+
+
 def _apply(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     """The kernel's x * keep / (1 - p) for float32 CPU x (0 < p < 1), the mask of ``seed``."""
     x = x.contiguous()
     out = torch.empty_like(x)
-    threshold = min(int(round(p * 2.0**32)), 2**32 - 1)
-    library().dropout_apply(x.data_ptr(), out.data_ptr(), x.numel(), seed, threshold, 1.0 / (1.0 - p),
+    library().dropout_apply(x.data_ptr(), out.data_ptr(), x.numel(), seed, threshold(p), 1.0 / (1.0 - p),
                             torch.get_num_threads())
     return out
 
@@ -109,7 +118,7 @@ def reference_keep(n: int, p: float, seed: int) -> torch.Tensor:
     s0, s1 = seed & word, (seed >> 32) & word
     weyl = ((index & word) * 0x9E3779B9) & word
     bits = mix(mix(weyl ^ s0) ^ ((s1 + (index >> 32)) & word))
-    return bits >= min(int(round(p * 2.0**32)), 2**32 - 1)
+    return bits >= threshold(p)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
@@ -118,7 +127,7 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
         return x
     if not fits(x, p):
         return F.dropout(x, p, training)
-    seed = torch.randint(0, 2**63 - 1, (), dtype=torch.int64)  # from torch's default generator
+    seed = draw_seed()
     if torch.compiler.is_compiling():
         return dropout_op(x, p, seed)
     return DropoutFunction.apply(x, p, int(seed))

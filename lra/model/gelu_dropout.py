@@ -21,7 +21,7 @@ from torch.library import custom_op, register_autograd, register_fake
 
 from attentions.ops import native
 
-from .dropout import dropout
+from .dropout import draw_seed, dropout, reference_keep, threshold
 
 LIBRARY = "gelu_dropout_cpu"
 
@@ -43,7 +43,7 @@ def fits(x: torch.Tensor, p: float) -> bool:
 
 def _mask(p: float):
     """The kernel's threshold and scale for dropout probability p (0: keep every element)."""
-    return min(int(round(p * 2.0**32)), 2**32 - 1), 1.0 / (1.0 - p)
+    return threshold(p), 1.0 / (1.0 - p)
 
 
 def _forward(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
@@ -122,7 +122,7 @@ def gelu_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tens
     if not fits(x, p):
         return dropout(F.gelu(x), p, training)
     # one seed, drawn as the dropout draws it (none when nothing is dropped)
-    seed = torch.randint(0, 2**63 - 1, (), dtype=torch.int64) if p > 0.0 else torch.zeros((), dtype=torch.int64)
+    seed = draw_seed() if p > 0.0 else torch.zeros((), dtype=torch.int64)
     if torch.compiler.is_compiling():
         return gelu_dropout_op(x, p, seed)
     return GELUDropoutFunction.apply(x, p, int(seed))
@@ -131,8 +131,6 @@ def gelu_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tens
 def reference(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     """The kernel's result computed plainly: the exact GELU (float64 erf) of x, masked by
     dropout.reference_keep and scaled, in float64."""
-    from .dropout import reference_keep
-
     x64 = x.double()
     out = x64 * 0.5 * (1.0 + torch.erf(x64 / math.sqrt(2.0)))
     if p > 0.0:

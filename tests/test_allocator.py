@@ -3,9 +3,11 @@ with big blocks mapped per use, timed runs with every freed block kept: lra/benc
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Callable, Dict
 
 import pytest
@@ -17,12 +19,13 @@ from lra.bench.measure import PeakMemory, measure
 GLIBC = sys.platform.startswith("linux") and allocator._libc() is not None
 needs_glibc = pytest.mark.skipif(not GLIBC, reason="glibc's mallopt (Linux)")
 
-# page faults of allocating and filling a 64 MiB block twice, in a fresh process under a setting,
-# after a dozen such blocks
+# page faults of allocating and filling a block (64 MiB unless told) twice, in a fresh process under a
+# setting, after a dozen such blocks; then the process's peak resident set in MiB
 FAULTS = """
 import resource, sys, torch
 from lra.machine import allocator
-setting = sys.argv[1]
+from lra.bench.measure import proc_status_mb
+setting, mib = sys.argv[1], int(sys.argv[2])
 if setting == "all":
     print(allocator.keep_all_freed_memory())
 elif setting == "returned":
@@ -30,34 +33,72 @@ elif setting == "returned":
 else:
     print(allocator.keep_freed_memory())
 for _ in range(12):  # glibc's heap takes a few rounds to leave a hole that fits the block
-    torch.empty(16 << 20).fill_(1.0)
+    torch.empty(mib << 18).fill_(1.0)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(2):
-    torch.empty(16 << 20).fill_(2.0)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    torch.empty(mib << 18).fill_(2.0)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, round(proc_status_mb("VmHWM")))
 """
 
 
-def faults(setting: str, env: Dict[str, str] | None = None) -> tuple:
-    out = subprocess.run([sys.executable, "-c", FAULTS, setting], capture_output=True, text=True, check=True,
-                         env={**os.environ, **(env or {})}).stdout.split()
-    return out[0] == "True", int(out[1])
+def faults(setting: str, env: Dict[str, str] | None = None, mib: int = 64) -> tuple:
+    out = subprocess.run([sys.executable, "-c", FAULTS, setting, str(mib)], capture_output=True, text=True,
+                         check=True, env={**os.environ, **(env or {})}).stdout.split()
+    return out[0] == "True", int(out[1]), int(out[2])
 
 
 @needs_glibc
 def test_keeping_every_block_stops_the_page_faults_and_returning_restores_them() -> None:
     # a 64 MiB block is above the 32 MiB that keep_freed_memory keeps: 16,384 pages faulted in each time
-    took, mapped = faults("kept")
+    took, mapped, _ = faults("kept")
     assert took and mapped > 20_000
-    took, kept = faults("all")
+    took, kept, _ = faults("all")
     assert took and kept < 1_000
-    took, returned = faults("returned")
+    took, returned, _ = faults("returned")
     assert took and returned > 20_000
 
 
 @needs_glibc
+def test_blocks_past_the_trim_threshold_are_kept_and_do_not_pile_up_with_the_thread_cache_off() -> None:
+    # 1.25 GiB blocks, past glibc's 1 GiB trim threshold (327,680 pages each), with the thread cache
+    # off as in lra-bench's point processes: not faulted in again, and the heap holds one block, not 14
+    env = allocator.without_thread_cache(os.environ)
+    took, kept, peak_mib = faults("all", env, mib=1280)
+    assert took and kept < 1_000 and peak_mib < 3 * 1280
+    took, returned, _ = faults("returned", env, mib=1280)
+    assert took and returned > 300_000
+
+
+def test_without_thread_cache_adds_one_tunable_and_keeps_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {"A": "1", "GLIBC_TUNABLES": "glibc.malloc.tcache_count=7:glibc.x=1"}
+    got = allocator.without_thread_cache(env)
+    if not sys.platform.startswith("linux"):  # no glibc to tune
+        assert got == env
+        return
+    assert got == {"A": "1", "GLIBC_TUNABLES": "glibc.x=1:glibc.malloc.tcache_count=0"}
+    assert allocator.without_thread_cache({})["GLIBC_TUNABLES"] == allocator.NO_THREAD_CACHE
+    monkeypatch.setenv("LRA_MALLOC_TUNING", "0")
+    assert allocator.without_thread_cache({"A": "1"}) == {"A": "1"}
+
+
+@needs_glibc
+def test_lra_bench_points_run_with_the_thread_cache_off_and_the_parent_keeps_its_environment(tmp_path: Path) -> None:
+    from lra.bench.sweep import child_context
+
+    before = os.environ.get("GLIBC_TUNABLES")
+    # the point process's own environment, as the kernel shows it
+    proc = child_context().Process(target=shutil.copyfile, args=("/proc/self/environ", str(tmp_path / "environ")))
+    proc.start()
+    proc.join(60)
+    entries = (tmp_path / "environ").read_bytes().split(b"\0")
+    tunables = next(e for e in entries if e.startswith(b"GLIBC_TUNABLES=")).split(b"=", 1)[1].decode()
+    assert allocator.NO_THREAD_CACHE in tunables.split(":")
+    assert os.environ.get("GLIBC_TUNABLES") == before
+
+
+@needs_glibc
 def test_malloc_tuning_0_turns_every_setting_off_and_all_keeps_blocks_for_good() -> None:
-    took, mapped = faults("all", {"LRA_MALLOC_TUNING": "0"})
+    took, mapped, _ = faults("all", {"LRA_MALLOC_TUNING": "0"})
     assert not took and mapped > 20_000
     kept_for_good = "from lra.machine import allocator; allocator.keep_freed_memory(); " \
                     "print(allocator.return_freed_memory(), allocator.setting_now())"

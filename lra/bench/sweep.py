@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import signal
 import multiprocessing
+import multiprocessing.forkserver
+import os
+import signal
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -29,7 +31,7 @@ from tqdm import tqdm
 
 from . import point as bench_point
 from ..files import write_atomic
-from ..machine import hardware, load_average, versions
+from ..machine import allocator, hardware, load_average, versions
 from .report import fmt_length
 from .resume import Points, kept_points
 from ..run.record import now
@@ -82,6 +84,17 @@ def child_context() -> multiprocessing.context.BaseContext:
     """Processes forked from a server that imported torch once: fresh memory, no import per point."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["lra.bench.point"])
+    # the server is started once, with glibc's thread cache off (lra/machine/allocator.py); the
+    # points forked from it inherit that
+    saved = os.environ.get("GLIBC_TUNABLES")
+    os.environ.update(allocator.without_thread_cache(os.environ))
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            os.environ.pop("GLIBC_TUNABLES", None)
+        else:
+            os.environ["GLIBC_TUNABLES"] = saved
     return ctx
 
 

@@ -11,11 +11,28 @@ Blocks of 32 MiB and more (glibc's ceiling for that setting) are still mapped pe
 and N = 4K every activation [32, 4096, 64] is one, and a step faulted 500,000-700,000 pages in
 (2-3 s of system time in a MiTA step of 3.8 s, in a pass-through model's step of 2.8 s); MiTA's
 attention at N = 64K 49,000 per step (0.18 s of 0.86 s). ``keep_all_freed_memory`` takes every
-block from the heap and never unmaps one: no faults after the first step, but the heap keeps
+block from the heap and never unmaps one: no faults after the first steps, but the heap keeps
 the holes between blocks of different sizes, so the resident set grows above what the tensors
 need (+7% to +80% at batch 32, N = 4K, Top-k 2.6x). lra-bench therefore measures a point's peak
 memory in its warm-up, with big blocks mapped per use, and times it with every block kept
 (lra/bench/measure.py); ``return_freed_memory`` goes back between the two.
+
+For blocks of a GiB and more, keeping them takes two more glibc settings, which lra-bench's point
+processes have:
+- glibc's per-thread cache of small blocks is off (GLIBC_TUNABLES, read when a process starts:
+  ``without_thread_cache``). torch allocates with posix_memalign, which splits a small remainder
+  off each block it hands out. In the thread cache, such a remainder counts as in use, so the
+  freed block beside it can neither merge with its neighbours nor be handed out again to a
+  request of its own size.
+- With the cache off, the heap's top is never trimmed. With the 1 GiB threshold, a step whose
+  freed blocks leave more than that at the top hands them back at each free, and the next step
+  faults them in again. A process with the cache on (lra-run) keeps the threshold: its heap piles
+  up freed blocks either way, less when trimmed (a 1.25 GiB block allocated and freed 14 times:
+  9 GiB resident trimmed, 16 GiB untrimmed; 1.5 GiB with the cache off).
+Informer's step on the Text model at N = 2K, batch 16 (Intel Xeon, 2 threads) took 9.3-15.9 s with
+4.4 million faults and 8-19 s of system time a step; with both settings, 5.7-5.8 s with at most
+20 faults. The cache off changed nothing measurable in the steps of MiTA, MoBA and full attention
+on that model at N = 1K, batch 8 (medians within 1%).
 
 Applied by lra-run, lra-bench's points and scripts/step_compare.py. LRA_MALLOC_TUNING=0 turns all
 of it off (to measure its effect); LRA_MALLOC_TUNING=all keeps every block for training too (lra-run
@@ -27,13 +44,17 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from typing import Dict, Mapping
 
 from ..errors import UserError
 
 # mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -2, -3, -4
-SETTINGS = ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 64 << 20))
+TRIM_THRESHOLD = 1 << 30
+SETTINGS = ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, 64 << 20))
+NEVER_TRIM = -1  # mallopt's int, read by glibc as the largest size_t
 GLIBC_MMAP_MAX = 65536  # glibc's default number of mapped blocks
+NO_THREAD_CACHE = "glibc.malloc.tcache_count=0"  # a GLIBC_TUNABLES entry
 
 _applied = None
 _keep_all = False
@@ -78,22 +99,26 @@ def keep_freed_memory() -> bool:
 
 
 def keep_all_freed_memory() -> bool:
-    """Take every block from the heap from now on (none mapped, none given back); whether it took."""
+    """Take every block from the heap from now on (none mapped; in a process started with the thread
+    cache off, the heap's top never trimmed: none given back); whether it took."""
     global _keep_all
     libc = _libc()
     if keep_freed_memory() and libc is not None and libc.mallopt(M_MMAP_MAX, 0) == 1:
         _keep_all = True
+        if thread_cache_off():  # untrimmed, a heap whose freed blocks cannot merge grows without end
+            libc.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM)
     return _keep_all
 
 
 def return_freed_memory() -> bool:
-    """Undo ``keep_all_freed_memory``: big blocks mapped per use again and the heap's free pages
-    handed back (malloc_trim); whether there was anything to undo."""
+    """Undo ``keep_all_freed_memory``: big blocks mapped per use again, the heap's top trimmed past
+    1 GiB again and its free pages handed back (malloc_trim); whether there was anything to undo."""
     global _keep_all
     libc = _libc()
     if not _keep_all or libc is None or setting() == "all":  # LRA_MALLOC_TUNING=all: kept for good
         return False
     libc.mallopt(M_MMAP_MAX, GLIBC_MMAP_MAX)
+    libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     libc.malloc_trim(0)
     _keep_all = False
     return True
@@ -114,10 +139,25 @@ def trim() -> bool:
     return True
 
 
+def without_thread_cache(env: Mapping[str, str]) -> Dict[str, str]:
+    """``env`` with glibc's per-thread cache off for a process started with it (GLIBC_TUNABLES, its
+    other entries kept); ``env`` as it is where LRA_MALLOC_TUNING=0 or not on Linux."""
+    if not sys.platform.startswith("linux") or setting() == "0":
+        return dict(env)
+    kept = [entry for entry in env.get("GLIBC_TUNABLES", "").split(":")
+            if entry and not entry.startswith("glibc.malloc.tcache_count=")]
+    return {**env, "GLIBC_TUNABLES": ":".join(kept + [NO_THREAD_CACHE])}
+
+
+def thread_cache_off() -> bool:
+    """Whether this process was started with glibc's per-thread cache off."""
+    return NO_THREAD_CACHE in os.environ.get("GLIBC_TUNABLES", "").split(":")
+
+
 def setting_now() -> str:
     """The setting in effect in this process now, in a few words."""
     if _keep_all:
-        return "every freed block kept"
+        return "every freed block kept" + (", thread cache off" if thread_cache_off() else "")
     return "freed blocks up to 32 MiB kept" if _applied else "system default"
 
 
@@ -131,5 +171,6 @@ def describe(benchmark: bool = False) -> str:
                 + ("; peak memory includes the heap's holes" if benchmark else ""))
     if benchmark:
         return ("glibc: peak memory from the warm-up with freed blocks up to 32 MiB kept, "
-                "timed runs with every freed block kept (lra/allocator.py)")
+                "timed runs with every freed block kept and the heap untrimmed, "
+                "the thread cache off (lra/machine/allocator.py)")
     return "glibc, freed blocks up to 32 MiB kept (lra/allocator.py)"

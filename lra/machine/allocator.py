@@ -141,8 +141,8 @@ def trim() -> bool:
 
 def without_thread_cache(env: Mapping[str, str]) -> Dict[str, str]:
     """``env`` with glibc's per-thread cache off for a process started with it (GLIBC_TUNABLES, its
-    other entries kept); ``env`` as it is where LRA_MALLOC_TUNING=0 or not on Linux."""
-    if not sys.platform.startswith("linux") or setting() == "0":
+    other entries kept); ``env`` as it is where this process may not tune glibc (``_libc``)."""
+    if _libc() is None:
         return dict(env)
     kept = [entry for entry in env.get("GLIBC_TUNABLES", "").split(":")
             if entry and not entry.startswith("glibc.malloc.tcache_count=")]

@@ -28,8 +28,9 @@ Where the peak cannot be reset (not Linux), no peak is recorded.
 The memory cap (``max_mem_gb``, CPU): each backend's build and first step, and each step of the
 rounds, may bring the resident set to at most ``max_mem_gb`` above what the process held once set
 up (lra/bench/measure.py ResidentCap). It is renewed before each, from what is resident then, so
-address space that an earlier backend left mapped but not resident does not count: whether a
-backend fits does not depend on the order the backends ran in.
+address space that an earlier backend left mapped but not resident does not count; and the peak
+resident set of each is checked against it after, so pages of the heap's holes that a backend
+touches again count: whether a backend fits does not depend on the order the backends ran in.
 
 Timing on the CPU keeps every freed block on the heap (no page faults once the heap has grown): the
 hungriest backend takes one untimed step first, which grows it. Rounds that run out of memory that
@@ -118,6 +119,7 @@ def first_step(spec: Dict[str, Any], backend: str, inputs: Inputs, device: torch
         model = build_model(point, device)
         step = train_step(model, point, *inputs, device, dtype)
         took = timed(step, device)
+    cap.check(f"{backend}'s model and first step")
     return step, {"first_step_s": took, "build_s": time.perf_counter() - begin - took, **memory.result()}
 
 
@@ -185,6 +187,7 @@ def rounds(steps: Dict[str, Step], spec: Dict[str, Any], device: torch.device, f
                 cap.renew()
                 with time_limit(spec["budget_s"], f"a step of {name}"):
                     took = timed(step, device)
+                cap.check(f"a step of {name}")
             except Exception as err:  # noqa: BLE001 - a failure is the backend's status
                 if kept and is_oom(err):
                     raise
@@ -210,6 +213,7 @@ def timed_rounds(steps: Dict[str, Step], spec: Dict[str, Any], device: torch.dev
         if kept and hungriest is not None:
             cap.renew()
             timed(steps[hungriest], device)
+            cap.check(f"a step of {hungriest}")
         times, setting = rounds(steps, spec, device, failed, kept, save, cap), allocator.setting_now()
     except Exception as err:  # noqa: BLE001 - running out of memory is timed again below, the rest re-raised
         if not (kept and is_oom(err)):

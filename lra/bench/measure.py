@@ -68,22 +68,37 @@ class ResidentCap:
     ``extra_gb`` GiB above what the process held when the cap was set.
 
     ``renew`` before each piece sets RLIMIT_AS to the address space mapped now plus what is left
-    under that ceiling. Address space that earlier work left mapped but not resident (heap pages
-    handed back by malloc_trim, the holes of a heap that kept every block) then costs the next piece
-    nothing, so whether a backend fits does not depend on which backends ran before it. The cap
-    counts new mappings only: pages of such holes that a piece touches again are not counted, so
-    its resident set can pass the ceiling by at most their size.
+    under that ceiling, and resets the peak resident set. Address space that earlier work left
+    mapped but not resident (heap pages handed back by malloc_trim, the holes of a heap that kept
+    every block) then costs the next piece nothing. Those holes are mapped already, so a piece that
+    touches them again passes RLIMIT_AS unseen: ``check`` after the piece compares its peak
+    resident set with the ceiling, and a piece past it ran out of memory too. Whether a piece fits
+    then depends on what it holds resident, not on which pieces ran before it.
     """
 
     def __init__(self, extra_gb: Optional[float]):
+        self.extra_gb = extra_gb
         self.ceiling_mb = proc_status_mb("VmRSS") + extra_gb * 1024 if extra_gb else None
+        self.peak_reset = False
 
     def renew(self) -> None:
         if self.ceiling_mb is None:
             return
+        self.peak_reset = reset_peak_rss()
         left_mb = max(self.ceiling_mb - proc_status_mb("VmRSS"), 0.0)
         limit = int((proc_status_mb("VmSize") + left_mb) * 2**20)
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+
+    def check(self, what: str) -> None:
+        """MemoryError when the peak resident set since ``renew`` passed the ceiling (where the
+        peak could be reset: Linux 4.0 and later)."""
+        if self.ceiling_mb is None or not self.peak_reset:
+            return
+        peak_mb = proc_status_mb("VmHWM")
+        if peak_mb > self.ceiling_mb:
+            raise MemoryError(f"{what} brought the resident set to {peak_mb:,.0f} MiB, past the memory cap "
+                              f"of {self.extra_gb:g} GiB above the {self.ceiling_mb - self.extra_gb * 1024:,.0f} MiB "
+                              f"held once set up (out of memory)")
 
 
 def is_oom(err: BaseException) -> bool:

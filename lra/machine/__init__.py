@@ -19,14 +19,17 @@ from . import allocator
 
 
 def git_commit() -> str:
-    """The commit of the checkout the package runs from, with ``+dirty`` for local changes."""
+    """The commit of the checkout the package runs from, with ``+dirty`` for local changes to its
+    tracked files outside results/ (a record made again over its committed files is not a change
+    of the code that made it)."""
     here = Path(__file__).resolve().parent
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=5
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top,exclude)results"],
+            cwd=here, capture_output=True, text=True, timeout=5,
         ).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):

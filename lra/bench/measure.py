@@ -78,7 +78,8 @@ class ResidentCap:
 
     def __init__(self, extra_gb: Optional[float]):
         self.extra_gb = extra_gb
-        self.ceiling_mb = proc_status_mb("VmRSS") + extra_gb * 1024 if extra_gb else None
+        self.base_mb = proc_status_mb("VmRSS") if extra_gb else 0.0  # no cap: nothing read from /proc
+        self.ceiling_mb = self.base_mb + extra_gb * 1024 if extra_gb else None
         self.peak_reset = False
 
     def renew(self) -> None:
@@ -97,7 +98,7 @@ class ResidentCap:
         peak_mb = proc_status_mb("VmHWM")
         if peak_mb > self.ceiling_mb:
             raise MemoryError(f"{what} brought the resident set to {peak_mb:,.0f} MiB, past the memory cap "
-                              f"of {self.extra_gb:g} GiB above the {self.ceiling_mb - self.extra_gb * 1024:,.0f} MiB "
+                              f"of {self.extra_gb:g} GiB above the {self.base_mb:,.0f} MiB "
                               f"held once set up (out of memory)")
 
 

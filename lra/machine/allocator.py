@@ -167,10 +167,10 @@ def describe(benchmark: bool = False) -> str:
     if _libc() is None:
         return "system default"
     if setting() == "all":
-        return ("glibc, every freed block kept (LRA_MALLOC_TUNING=all, lra/allocator.py)"
+        return ("glibc, every freed block kept (LRA_MALLOC_TUNING=all, lra/machine/allocator.py)"
                 + ("; peak memory includes the heap's holes" if benchmark else ""))
     if benchmark:
         return ("glibc: peak memory from the warm-up with freed blocks up to 32 MiB kept, "
                 "timed runs with every freed block kept and the heap untrimmed, "
                 "the thread cache off (lra/machine/allocator.py)")
-    return "glibc, freed blocks up to 32 MiB kept (lra/allocator.py)"
+    return "glibc, freed blocks up to 32 MiB kept (lra/machine/allocator.py)"
